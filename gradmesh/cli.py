@@ -1,0 +1,190 @@
+"""`gradmesh train` and `gradmesh run`: check everything, then start workers.
+
+All input is validated here, before any worker starts: a bad value prints one line naming it
+and what is accepted, and exits with code 2.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from gradmesh import config as configuration
+from gradmesh import rundir
+from gradmesh.errors import EXIT_USAGE, UsageError
+from gradmesh.fault import checkpoint
+
+# Command-line flag -> config key. Flags left out stay None and do not override.
+FLAG_KEYS = {
+    "model": "model.name", "data": "data.path", "strategy": "train.strategy",
+    "global_batch_size": "train.global_batch_size", "grad_accum": "train.grad_accum",
+    "optimizer": "train.optimizer", "lr": "train.lr", "max_steps": "train.max_steps",
+    "seed": "train.seed", "eval_every": "train.eval_every", "record_samples": "train.record_samples",
+    "checkpoint_every": "checkpoint.every", "resume": "checkpoint.resume",
+    "run_dir": "run.dir", "quiet": "run.quiet",
+    "nproc": "launch.nproc", "nnodes": "launch.nnodes", "node_rank": "launch.node_rank",
+    "rdzv_endpoint": "launch.rdzv_endpoint", "rdzv_id": "launch.rdzv_id",
+    "rdzv_backend": "launch.rdzv_backend", "device": "launch.device",
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line and exit code 2."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _nproc(text: str) -> int:
+    if text == "auto":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nproc must be a whole number >= 1 or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--nproc must be >= 1 (or 'auto'), got {value}")
+    return value
+
+
+def _add_launch_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workers (torchrun's options)")
+    group.add_argument("--nproc", type=_nproc, metavar="N", help="workers on this machine, or 'auto' (default: one per GPU, else 2)")
+    group.add_argument("--nnodes", type=int, metavar="N", help="machines in the job (default 1)")
+    group.add_argument("--node-rank", type=int, metavar="R", help="this machine's rank (static rendezvous)")
+    group.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous address for multi-node jobs")
+    group.add_argument("--rdzv-id", metavar="ID", help="job id shared by every node")
+    group.add_argument("--rdzv-backend", choices=("c10d", "static"), help="rendezvous backend")
+    group.add_argument("--device", choices=configuration.DEVICES, help="auto: CUDA+NCCL if present, else CPU+gloo")
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="gradmesh", description="Distributed training for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train a built-in model on N workers",
+                           description="Train a built-in workload on N workers (data parallel).")
+    what = train.add_argument_group("what to train")
+    what.add_argument("--model", choices=configuration.MODELS, help="built-in model (default gpt-char)")
+    what.add_argument("--data", metavar="PATH", help="UTF-8 text file or folder for gpt-char (default: Python's stdlib source)")
+    what.add_argument("--config", metavar="FILE", help="TOML config file (sections model, data, train, checkpoint, launch, run)")
+    what.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key, e.g. model.n_layer=8 (repeatable)")
+    how = train.add_argument_group("how to train")
+    how.add_argument("--strategy", choices=configuration.STRATEGIES, help="parallelism (default ddp)")
+    how.add_argument("--global-batch-size", type=int, metavar="B", help="samples per optimizer step over all ranks (default 32)")
+    how.add_argument("--grad-accum", type=int, metavar="K", help="micro-batches per rank per step (default 1)")
+    how.add_argument("--optimizer", choices=configuration.OPTIMIZERS, help="default adamw")
+    how.add_argument("--lr", type=float, help="peak learning rate")
+    how.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps to run (default 600)")
+    how.add_argument("--seed", type=int)
+    how.add_argument("--eval-every", type=int, metavar="N", help="held-out evaluation every N steps (default: at the end)")
+    run = train.add_argument_group("run directory")
+    run.add_argument("--run-dir", metavar="DIR", help="where config, metrics, checkpoints and weights go (default runs/latest)")
+    run.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps (default: at the end)")
+    run.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint in --run-dir")
+    run.add_argument("--record-samples", action="store_true", default=None, help="log each rank's sample indices per step")
+    run.add_argument("--quiet", action="store_true", default=None, help="no progress bar or summary table")
+    _add_launch_options(train)
+
+    script = sub.add_parser("run", help="run your own torch.distributed script on N workers",
+                            description="Run SCRIPT.py on N workers, as torchrun would (options before the script).")
+    _add_launch_options(script)
+    script.add_argument("script", metavar="SCRIPT.py")
+    script.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...")
+    return parser
+
+
+def _flag_layer(args: argparse.Namespace) -> dict[str, dict]:
+    layer: dict[str, dict] = {}
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            section, name = key.split(".")
+            layer.setdefault(section, {})[name] = value
+    return layer
+
+
+def resolve_config(args: argparse.Namespace) -> configuration.Config:
+    layers = []
+    run_dir = Path(args.run_dir or configuration.RunConfig().dir)
+    saved = run_dir / "config.toml"
+    if args.resume and saved.is_file():
+        layers.append(configuration.load_toml(saved))  # continue the run as it was configured
+    if args.config:
+        layers.append(configuration.load_toml(args.config))
+    layers += [_flag_layer(args), configuration.parse_sets(args.set)]
+    return configuration.build(layers)
+
+
+def _launch_shape(launch: configuration.LaunchConfig) -> tuple[str, int]:
+    from gradmesh.topology import auto_nproc, resolve_device
+
+    device = resolve_device(launch.device)
+    nproc = launch.nproc or auto_nproc(device)
+    if nproc < 1:
+        raise UsageError("--nproc auto found no GPU; give --nproc N or --device cpu")
+    return device, nproc
+
+
+def _check_resume(cfg: configuration.Config, run_dir: Path) -> None:
+    from gradmesh.worker import run_info
+
+    latest = checkpoint.latest_checkpoint(run_dir)
+    if latest is None:
+        raise UsageError(f"--resume: no complete checkpoint in {str(run_dir / 'checkpoints')!r}; run without --resume first")
+    saved = checkpoint.read_state(latest).get("run", {})
+    now = run_info(cfg)
+    diffs = [f"{key}: checkpoint {saved.get(key)!r} vs now {now[key]!r}"
+             for key in now if saved.get(key) != now[key]]
+    if diffs:
+        raise UsageError(f"--resume: config incompatible with {latest}: " + "; ".join(diffs))
+
+
+def _start_fresh(run_dir: Path, quiet: bool) -> None:
+    if rundir.clear_previous_run(run_dir) and not quiet:
+        print(f"gradmesh: starting a fresh run in {run_dir} (the previous run's files were replaced; "
+              "--resume continues a run instead)", file=sys.stderr)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from gradmesh import workloads
+    from gradmesh.launch import run_workers
+
+    cfg = resolve_config(args)
+    _, nproc = _launch_shape(cfg.launch)
+    cfg.check_world(nproc * cfg.launch.nnodes)
+    workloads.check_inputs(cfg)
+    run_dir = rundir.ensure_writable(cfg.run.dir)
+    if cfg.checkpoint.resume:
+        _check_resume(cfg, run_dir)
+    else:
+        _start_fresh(run_dir, cfg.run.quiet)
+    config_path = run_dir / "config.toml"
+    config_path.write_text(cfg.to_toml())
+    return run_workers(cfg.launch, nproc, ["-m", "gradmesh.worker", str(config_path)])
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gradmesh.launch import run_workers
+
+    if not Path(args.script).is_file():
+        raise UsageError(f"script {args.script!r} does not exist; usage: gradmesh run [options] SCRIPT.py [args]")
+    launch = configuration.build([_flag_layer(args)]).launch
+    _, nproc = _launch_shape(launch)
+    return run_workers(launch, nproc, [args.script, *args.script_args])
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        code = {"train": cmd_train, "run": cmd_run}[args.command](args)
+    except UsageError as err:
+        print(f"gradmesh: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("gradmesh: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""Typed configuration: keyword-only dataclasses, TOML in, resolved TOML out.
+
+Precedence, lowest first: field defaults, `--config FILE` (or the run directory's saved
+config.toml when resuming), command-line flags, `--set section.key=value`. Every field is
+checked in `__post_init__`; checks that need more than one section (or the world size) live in
+`Config.check_world`. All of it runs in the launcher, before any worker starts.
+"""
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+from gradmesh.errors import UsageError
+
+MODELS = ("gpt-char", "mlp-digits")
+STRATEGIES = ("ddp",)
+OPTIMIZERS = ("adamw", "sgd")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _positive(section: str, name: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise UsageError(f"{section}.{name} must be {bound}, got {value}")
+
+
+def _one_of(section: str, name: str, value, accepted) -> None:
+    if value not in accepted:
+        raise UsageError(f"{section}.{name}: {value!r} is not one of {', '.join(map(str, accepted))}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which built-in model to train and its size (nanoGPT's names)."""
+
+    name: str = "gpt-char"
+    """Built-in model: gpt-char (character-level transformer) or mlp-digits."""
+    n_layer: int = 4
+    """Transformer blocks (gpt-char)."""
+    n_head: int = 4
+    """Attention heads per block (gpt-char); must divide n_embd."""
+    n_embd: int = 128
+    """Embedding width (gpt-char)."""
+    block_size: int = 128
+    """Context length in characters (gpt-char)."""
+    dropout: float = 0.0
+    """Dropout probability; 0 keeps training deterministic and parity exact."""
+    bias: bool = True
+    """Bias terms in Linear and LayerNorm layers (gpt-char)."""
+    hidden: int = 128
+    """Hidden width of the two hidden layers (mlp-digits)."""
+
+    def __post_init__(self):
+        _one_of("model", "name", self.name, MODELS)
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "hidden"):
+            _positive("model", name, getattr(self, name))
+        if not 0.0 <= self.dropout < 1.0:
+            raise UsageError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.n_embd % self.n_head:
+            raise UsageError(
+                f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}"
+            )
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the training text comes from (gpt-char)."""
+
+    path: str = ""
+    """UTF-8 text file or folder of text files; empty means the Python standard library's source."""
+    max_chars: int = 3_000_000
+    """Characters of corpus to use at most (the first ones, files in sorted order)."""
+    eval_fraction: float = 0.1
+    """Share of the corpus (its end) held out for eval loss."""
+
+    def __post_init__(self):
+        _positive("data", "max_chars", self.max_chars)
+        if not 0.0 < self.eval_fraction < 0.5:
+            raise UsageError(f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The optimisation: batch, optimizer, schedule, strategy."""
+
+    strategy: str = "ddp"
+    """Parallelism strategy: ddp."""
+    global_batch_size: int = 32
+    """Samples per optimizer step summed over all ranks and micro-batches."""
+    grad_accum: int = 1
+    """Micro-batches per rank per optimizer step."""
+    optimizer: str = "adamw"
+    """adamw or sgd."""
+    lr: float = 2e-3
+    """Peak learning rate."""
+    min_lr: float = 2e-4
+    """Learning rate at the end of the cosine decay."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (adamw) or L2 (sgd)."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    decay_steps: int = 1500
+    """Length of the cosine decay; independent of max_steps so a cut-short run resumes on the same schedule."""
+    max_steps: int = 1500
+    """Optimizer steps to run (the run stops here)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables."""
+    seed: int = 0
+    """Seed for model initialisation and the global sample order."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: only at the end)."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation."""
+    sample_chars: int = 300
+    """Characters generated at the end of a gpt-char run (0: none)."""
+    record_samples: bool = False
+    """Write the sample indices each rank consumed per step to samples-rank{R}.jsonl."""
+
+    def __post_init__(self):
+        _one_of("train", "strategy", self.strategy, STRATEGIES)
+        _one_of("train", "optimizer", self.optimizer, OPTIMIZERS)
+        for name in ("global_batch_size", "grad_accum", "max_steps", "decay_steps", "eval_batches"):
+            _positive("train", name, getattr(self, name))
+        for name in ("warmup_steps", "eval_every", "sample_chars", "weight_decay", "grad_clip"):
+            _positive("train", name, getattr(self, name), allow_zero=True)
+        if self.lr <= 0 or self.min_lr < 0:
+            raise UsageError(f"train.lr must be > 0 and train.min_lr >= 0, got {self.lr}, {self.min_lr}")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """When to write checkpoints and whether to start from one."""
+
+    every: int = 0
+    """Write a checkpoint every N optimizer steps (0: only at the end)."""
+    keep: int = 3
+    """Keep the newest N checkpoints (0 keeps all)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in the run directory."""
+
+    def __post_init__(self):
+        _positive("checkpoint", "every", self.every, allow_zero=True)
+        _positive("checkpoint", "keep", self.keep, allow_zero=True)
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """How many workers, where, and on what device (torchrun's options)."""
+
+    nproc: int = 0
+    """Workers on this machine; 0 means auto (one per GPU, else 2 on CPU, 1 on a single core)."""
+    nnodes: int = 1
+    """Machines in the job."""
+    node_rank: int = -1
+    """This machine's rank for static rendezvous; -1 lets the rendezvous assign it."""
+    rdzv_endpoint: str = ""
+    """host:port of the rendezvous (multi-node)."""
+    rdzv_id: str = "gradmesh"
+    """Job id shared by all nodes."""
+    rdzv_backend: str = ""
+    """c10d or static; empty picks static when node_rank is given, else c10d."""
+    device: str = "auto"
+    """auto (CUDA with NCCL where present, else CPU with gloo), cpu or cuda."""
+
+    def __post_init__(self):
+        _positive("launch", "nproc", self.nproc, allow_zero=True)
+        _positive("launch", "nnodes", self.nnodes)
+        _one_of("launch", "device", self.device, DEVICES)
+        _one_of("launch", "rdzv_backend", self.rdzv_backend, ("", "c10d", "static"))
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise UsageError("launch.nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Where results go and how much is printed."""
+
+    dir: str = "runs/latest"
+    """Run directory: config, metrics, summary, checkpoints, final weights."""
+    quiet: bool = False
+    """No progress bar or summary table (errors are still printed)."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def check_world(self, world_size: int) -> None:
+        """Checks that need the number of ranks."""
+        per_step = world_size * self.train.grad_accum
+        if self.train.global_batch_size % per_step:
+            raise UsageError(
+                f"train.global_batch_size={self.train.global_batch_size} is not divisible by "
+                f"ranks x grad_accum = {world_size} x {self.train.grad_accum} = {per_step}; "
+                f"use a multiple of {per_step}"
+            )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    def replace(self, section: str, **values) -> "Config":
+        """A copy with fields of one section replaced (validated again)."""
+        sections = {s: getattr(self, s) for s in SECTIONS}
+        sections[section] = dataclasses.replace(sections[section], **values)
+        return Config(**sections)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+
+def section_fields(section: str) -> dict[str, type]:
+    cls = SECTIONS[section]
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{k}" for s in SECTIONS for k in section_fields(s)]
+
+
+def _coerce(key: str, kind: type, raw):
+    """Turn a TOML value or a --set string into the field's type."""
+    if isinstance(raw, str) and kind is not str:
+        text = raw.strip()
+        try:
+            if kind is bool:
+                lowered = text.lower()
+                if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return lowered in ("true", "1", "yes")
+            return kind(text)
+        except ValueError:
+            raise UsageError(f"{key}={raw!r} is not a valid {kind.__name__}") from None
+    if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    if not isinstance(raw, kind) or (kind is int and isinstance(raw, bool)):
+        raise UsageError(f"{key}={raw!r} is not a valid {kind.__name__}")
+    return raw
+
+
+def build(layers: list[dict[str, dict]]) -> Config:
+    """Merge {section: {key: value}} layers (later wins) onto the defaults and validate."""
+    merged: dict[str, dict] = {s: {} for s in SECTIONS}
+    for layer in layers:
+        for section, values in layer.items():
+            if section not in SECTIONS:
+                raise UsageError(
+                    f"unknown config section {section!r}; accepted: {', '.join(SECTIONS)}"
+                )
+            if not isinstance(values, dict):
+                raise UsageError(f"config section [{section}] must be a table")
+            kinds = section_fields(section)
+            for key, raw in values.items():
+                if key not in kinds:
+                    raise UsageError(
+                        f"unknown config key {section}.{key}; accepted: "
+                        + ", ".join(f"{section}.{k}" for k in kinds)
+                    )
+                merged[section][key] = _coerce(f"{section}.{key}", kinds[key], raw)
+    return Config(**{s: SECTIONS[s](**merged[s]) for s in SECTIONS})
+
+
+def load_toml(path: str | Path) -> dict[str, dict]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"config file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"config file {str(path)!r} cannot be read: {exc}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+
+
+def parse_sets(assignments: list[str]) -> dict[str, dict]:
+    """--set section.key=value pairs as a layer."""
+    layer: dict[str, dict] = {}
+    for item in assignments:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise UsageError(f"--set {item!r} must look like section.key=value, e.g. model.n_layer=8")
+        if section not in SECTIONS or name not in section_fields(section):
+            raise UsageError(f"unknown --set key {key.strip()!r}; accepted: {', '.join(all_keys())}")
+        layer.setdefault(section, {})[name] = value
+    return layer

@@ -1,0 +1,107 @@
+"""The global-order sampler (contract 1 in DESIGN.md).
+
+The sequence of global batches depends only on (dataset length, seed, epoch, global batch
+size). Each rank takes a contiguous share of every global batch and cuts it into micro-batches,
+so the union over ranks of one step is exactly the global batch a single process would use —
+whatever the world size, strategy or number of restarts. Every sample of an epoch is used
+exactly once: the last global batch of an epoch is simply shorter, and the trainer weights each
+sample by 1 / (samples in that global batch), so the gradient is still the global mean.
+
+torch's DistributedSampler is not used because its order depends on the world size (it pads and
+strides by rank); that breaks parity and resharding.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+def split_evenly(items: list[int], parts: int) -> list[list[int]]:
+    """Contiguous parts whose sizes differ by at most one (earlier parts larger)."""
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(items[start : start + size])
+        start += size
+    return out
+
+
+@dataclass
+class GlobalBatch:
+    """One optimizer step's data as seen by one rank."""
+
+    step: int
+    epoch: int
+    indices: list[int]
+    """All sample indices of the global batch, in global order."""
+    micro_batches: list[list[int]]
+    """This rank's share, cut into grad_accum micro-batches (some may be empty at an epoch's end)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.indices)
+
+
+class GlobalOrderSampler:
+    """Deterministic, resumable stream of global batches; position saved in checkpoints."""
+
+    def __init__(self, dataset_len: int, global_batch_size: int, seed: int = 0):
+        if dataset_len < 1:
+            raise ValueError("dataset is empty")
+        self.dataset_len = dataset_len
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.step = 0
+        self._order: list[int] | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return -(-self.dataset_len // self.global_batch_size)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.dataset_len, generator=generator).tolist()
+
+    def next_batch(self, rank: int, world_size: int, grad_accum: int) -> GlobalBatch:
+        if self._order is None:
+            self._order = self.epoch_order(self.epoch)
+        start = self.batch_in_epoch * self.global_batch_size
+        indices = self._order[start : start + self.global_batch_size]
+        share = split_evenly(indices, world_size)[rank]
+        batch = GlobalBatch(
+            step=self.step,
+            epoch=self.epoch,
+            indices=indices,
+            micro_batches=split_evenly(share, grad_accum),
+        )
+        self.step += 1
+        self.batch_in_epoch += 1
+        if self.batch_in_epoch == self.batches_per_epoch:
+            self.epoch += 1
+            self.batch_in_epoch = 0
+            self._order = None
+        return batch
+
+    def state_dict(self) -> dict:
+        return {
+            "dataset_len": self.dataset_len,
+            "global_batch_size": self.global_batch_size,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("dataset_len", "global_batch_size", "seed"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state has {key}={state[key]} but this run has {getattr(self, key)}"
+                )
+        self.epoch = state["epoch"]
+        self.batch_in_epoch = state["batch_in_epoch"]
+        self.step = state["step"]
+        self._order = None

@@ -1,0 +1,1 @@
+"""Fault tolerance: checkpoints now; recovery, watchdog and injection build on them."""

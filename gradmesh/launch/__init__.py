@@ -1,0 +1,53 @@
+"""Start workers through torch.distributed.elastic, the agent behind torchrun.
+
+gradmesh does not keep a process pool of its own: it turns its options into torchrun's and
+hands them to `torch.distributed.run`, so rendezvous, multi-node launch, worker monitoring and
+tear-down on failure are torch's. What it adds is the choice of thread count per worker and a
+short, clear report when a worker fails.
+"""
+
+import logging
+import os
+import sys
+
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from gradmesh.config import LaunchConfig
+from gradmesh.topology import threads_per_worker
+
+
+def torchrun_args(launch: LaunchConfig, nproc: int) -> list[str]:
+    args = ["--nproc-per-node", str(nproc), "--nnodes", str(launch.nnodes),
+            "--max-restarts", "0", "--monitor-interval", "0.1"]
+    if launch.nnodes == 1 and not launch.rdzv_endpoint:
+        return args + ["--standalone"]
+    backend = launch.rdzv_backend or ("static" if launch.node_rank >= 0 else "c10d")
+    args += ["--rdzv-backend", backend, "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id]
+    if launch.node_rank >= 0:
+        args += ["--node-rank", str(launch.node_rank)]
+    return args
+
+
+def describe_failure(err: ChildFailedError) -> str:
+    rank, failure = err.get_first_failure()
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        how = f"exited with code {failure.exitcode}"
+    return f"gradmesh: worker rank {rank} (pid {failure.pid}) {how}; its traceback, if it left one, is above"
+
+
+def run_workers(launch: LaunchConfig, nproc: int, target: list[str]) -> int:
+    """Run `target` (['-m', module, ...] or [script, ...]) on nproc local workers; exit code."""
+    # torchrun's own default is one thread per worker; dividing the cores is faster when
+    # fewer workers than cores run here.
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(nproc)))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    args = torchrun.parse_args(torchrun_args(launch, nproc) + target)
+    try:
+        torchrun.run(args)
+    except ChildFailedError as err:
+        print(describe_failure(err), file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -1,0 +1,1 @@
+"""Plain PyTorch models. Nothing here imports gradmesh or torch.distributed."""

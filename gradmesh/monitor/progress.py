@@ -1,0 +1,87 @@
+"""What rank 0 shows a person: a live progress bar (rich) on a terminal, plain lines elsewhere,
+and a summary table at the end."""
+
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+class TrainingProgress:
+    """Progress of optimizer steps with loss and samples/s; silent when `enabled` is False."""
+
+    def __init__(self, total: int, start: int = 0, enabled: bool = True, console: Console | None = None):
+        self.total, self.start, self.enabled = total, start, enabled
+        self.console = console or Console()
+        self.live = enabled and self.console.is_terminal
+        self._every = max(1, (total - start) // 10)
+        self._started = time.perf_counter()
+        self._bar = None
+        if self.live:
+            self._bar = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                console=self.console, transient=False,
+            )
+            self._task = self._bar.add_task("train", total=total, completed=start, loss="-", rate="-")
+            self._bar.start()
+
+    def update(self, step: int, loss: float, samples_per_s: float) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", rate=f"{samples_per_s:,.0f}")
+        elif (step - self.start) % self._every == 0 or step == self.total:
+            elapsed = time.perf_counter() - self._started
+            eta = elapsed / max(1, step - self.start) * (self.total - step)
+            print(f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s  eta {eta:.0f}s",
+                  flush=True)
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            (self._bar.console if self._bar else self.console).print(text, highlight=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def summary_table(summary: dict) -> Table:
+    table = Table(title="gradmesh run summary", show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("strategy", summary["strategy"]), ("world size", summary["world_size"]),
+        ("steps", summary["steps"]), ("samples", f"{summary['samples']:,}"),
+        ("wall time", f"{summary['wall_s']:.1f} s"), ("samples/s", f"{summary['samples_per_s']:,.1f}"),
+        ("final train loss", f"{summary['final_loss']:.4f}"),
+    ]
+    rows += [(f"eval {k}", f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary.get("eval", {}).items()]
+    peaks = summary.get("peak_memory_bytes", [])
+    if peaks:
+        rows.append(("peak memory / rank", ", ".join(_fmt_bytes(p) for p in peaks)))
+    rows.append(("run dir", summary["run_dir"]))
+    for name, value in rows:
+        table.add_row(name, str(value))
+    return table
+
+
+def print_summary(summary: dict, sample: str | None = None) -> None:
+    console = Console(file=sys.stdout)
+    console.print(summary_table(summary))
+    if sample:
+        console.rule("generated sample")
+        console.print(sample, markup=False, highlight=False)
+        console.rule()

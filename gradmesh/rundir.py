@@ -1,0 +1,33 @@
+"""The run directory (DESIGN.md contract 6): what a run writes, and starting one afresh."""
+
+import shutil
+from pathlib import Path
+
+from gradmesh.errors import UsageError
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors", "vocab.json")
+RANK_FILE_PATTERNS = ("samples-rank*.jsonl",)
+
+
+def ensure_writable(run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".gradmesh-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"run dir {str(run_dir)!r} is not writable ({exc.strerror}); give --run-dir DIR") from None
+    return run_dir
+
+
+def clear_previous_run(run_dir: str | Path) -> list[Path]:
+    """Remove an earlier run's results and checkpoints (a fresh start); returns what was removed."""
+    run_dir = Path(run_dir)
+    old = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    old += [p for pattern in RANK_FILE_PATTERNS for p in run_dir.glob(pattern)]
+    if (run_dir / "checkpoints").exists():
+        old.append(run_dir / "checkpoints")
+    for path in old:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return old

@@ -1,0 +1,151 @@
+"""The one explicit object describing ranks, devices and the named device mesh.
+
+Built once per worker (`Topology.from_env`), validated, and passed to everything that needs to
+know where it runs. There is no module-level process group: `Topology.start` creates the
+process group and the mesh and returns them inside the object.
+"""
+
+import math
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from gradmesh.errors import UsageError
+
+MESH_AXES = ("dp", "fsdp", "pp", "tp")
+DATA_AXES = ("dp", "fsdp")
+
+
+def resolve_device(requested: str) -> str:
+    """'auto' becomes cuda where a GPU is present, else cpu."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("launch.device='cuda' but no CUDA device is present; use auto or cpu")
+    return requested
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def auto_nproc(device_type: str) -> int:
+    """Workers per machine when --nproc is not given: one per GPU; on CPU two (one on one core)."""
+    if device_type == "cuda":
+        return torch.cuda.device_count()
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
+def threads_per_worker(local_world_size: int) -> int:
+    """Share the cores so N local workers do not oversubscribe them."""
+    return max(1, (os.cpu_count() or 1) // local_world_size)
+
+
+@dataclass
+class Topology:
+    """Where this worker sits: global and local rank, device, backend and named mesh axes."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device_type: str
+    mesh_shape: dict[str, int] = field(default_factory=dict)
+    mesh: DeviceMesh | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world of size {self.world_size}")
+        if not self.mesh_shape:
+            self.mesh_shape = {"dp": self.world_size}
+        unknown = set(self.mesh_shape) - set(MESH_AXES)
+        if unknown:
+            raise UsageError(f"unknown mesh axes {sorted(unknown)}; accepted: {', '.join(MESH_AXES)}")
+        product = math.prod(self.mesh_shape.values())
+        if product != self.world_size:
+            raise UsageError(
+                f"mesh {self.mesh_shape} has {product} ranks but the world size is {self.world_size}"
+            )
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        return backend_for(self.device_type)
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that split each global batch (the data-parallel and sharded axes)."""
+        return math.prod(self.mesh_shape.get(axis, 1) for axis in DATA_AXES)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place along the data axes, from its row-major mesh coordinate."""
+        coords, rest = {}, self.rank
+        for axis in reversed(self.mesh_shape):
+            rest, coords[axis] = divmod(rest, self.mesh_shape[axis])
+        index = 0
+        for axis in self.mesh_shape:
+            if axis in DATA_AXES:
+                index = index * self.mesh_shape[axis] + coords[axis]
+        return index
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, device: str = "auto", mesh_shape: dict[str, int] | None = None) -> "Topology":
+        """Read the torchrun/gradmesh-run environment; a plain `python script.py` is rank 0 of 1."""
+        env = os.environ
+        if "RANK" not in env:
+            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            env.setdefault("MASTER_PORT", str(_free_port()))
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            device_type=resolve_device(device),
+            mesh_shape=dict(mesh_shape or {}),
+        )
+
+    def start(self) -> "Topology":
+        """Create the process group and the named device mesh (world size 1 included)."""
+        torch.set_num_threads(threads_per_worker(self.local_world_size))
+        if self.device_type == "cuda":
+            torch.cuda.set_device(self.local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=self.backend,
+                rank=self.rank,
+                world_size=self.world_size,
+                device_id=self.device if self.device_type == "cuda" else None,
+            )
+        names = tuple(self.mesh_shape)
+        self.mesh = init_device_mesh(
+            self.device_type, tuple(self.mesh_shape[n] for n in names), mesh_dim_names=names
+        )
+        return self
+
+    def stop(self) -> None:
+        if dist.is_initialized():
+            # Leave together: a rank that tears down its group while a peer still has work
+            # in flight aborts the peer's connection.
+            dist.barrier()
+            dist.destroy_process_group()
+        self.mesh = None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

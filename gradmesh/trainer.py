@@ -1,0 +1,276 @@
+"""The training loop and the public API.
+
+    session = gradmesh.init()                       # process group + topology (any world size)
+    trainer = gradmesh.Trainer(session, model, per_sample_loss, dataset, train=TrainConfig(...))
+    trainer.fit()                                   # global-order batches, DDP, checkpoints, metrics
+
+The loss function returns one loss per sample. The trainer weights every sample by
+1 / (samples in its global batch) and multiplies by the data-parallel degree, which the
+strategy's gradient average divides out again: the gradient is exactly the mean over the global
+batch, whatever the world size, the number of micro-batches, or a short last batch of an epoch.
+"""
+
+import json
+import math
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gradmesh import rundir
+from gradmesh.config import CheckpointConfig, TrainConfig
+from gradmesh.data import GlobalOrderSampler, fetch
+from gradmesh.fault import checkpoint
+from gradmesh.monitor.progress import TrainingProgress, print_summary
+from gradmesh.parallel import apply_strategy, grad_sync, unwrap
+from gradmesh.topology import Topology
+
+LossFn = Callable[[nn.Module, object], torch.Tensor]
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+class Session:
+    """A started topology: what `gradmesh.init()` returns."""
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    def prepare(self, model: nn.Module, strategy: str = "ddp") -> nn.Module:
+        """Apply a strategy to a plain model (moves it to this rank's device)."""
+        return apply_strategy(model, self.topology, strategy)
+
+    def close(self) -> None:
+        self.topology.stop()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def init(device: str = "auto", mesh: dict[str, int] | None = None, seed: int = 0) -> Session:
+    """Join the job started by `gradmesh run` / torchrun, or become rank 0 of 1 under plain python.
+
+    Seeds torch with `seed` so a model built next has the same initial weights on every rank
+    and at every world size.
+    """
+    torch.manual_seed(seed)
+    return Session(Topology.from_env(device=device, mesh_shape=mesh).start())
+
+
+def make_optimizer(train: TrainConfig) -> OptimizerFactory:
+    if train.optimizer == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=train.lr, momentum=train.momentum,
+                                              weight_decay=train.weight_decay)
+    return lambda params: torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+
+
+def lr_factor(step: int, train: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay from lr to min_lr over decay_steps (a function of step only)."""
+    if step < train.warmup_steps:
+        return (step + 1) / train.warmup_steps
+    progress = min(1.0, (step - train.warmup_steps) / max(1, train.decay_steps - train.warmup_steps))
+    floor = train.min_lr / train.lr
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Trainer:
+    """Runs `train.max_steps` optimizer steps of `model` on `dataset` across the session's ranks."""
+
+    def __init__(self, session: Session, model: nn.Module, loss_fn: LossFn, dataset, *,
+                 train: TrainConfig | None = None, checkpointing: CheckpointConfig | None = None,
+                 optimizer: OptimizerFactory | None = None, run_dir: str | Path | None = None,
+                 eval_fn: Callable[[nn.Module], dict] | None = None, quiet: bool = False,
+                 run_info: dict | None = None):
+        self.session, self.topo = session, session.topology
+        self.train = train or TrainConfig()
+        self.checkpointing = checkpointing or CheckpointConfig()
+        self.loss_fn, self.dataset, self.eval_fn = loss_fn, dataset, eval_fn
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.run_info = run_info or {}
+        self.model = session.prepare(model, self.train.strategy)
+        self.optimizer = (optimizer or make_optimizer(self.train))(list(self.model.parameters()))
+        self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
+        self.progress = TrainingProgress(self.train.max_steps, enabled=self.topo.is_main and not quiet)
+        self.quiet = quiet
+        self.history: list[dict] = []
+
+    # -- one optimizer step -------------------------------------------------------------------
+
+    def _micro_batches(self, batch) -> list[tuple[list[int], float]]:
+        """(indices, weight per sample) for each micro-batch this rank runs."""
+        weight = self.topo.dp_size / batch.size
+        runs = [(m, weight) for m in batch.micro_batches if m]
+        # A rank whose share is empty (end of an epoch) still joins the gradient all-reduce:
+        # it runs one sample at weight 0.
+        return runs or [([batch.indices[0]], 0.0)]
+
+    def _to_device(self, data):
+        if isinstance(data, torch.Tensor):
+            return data.to(self.topo.device, non_blocking=True)
+        if isinstance(data, (tuple, list)):
+            return type(data)(self._to_device(d) for d in data)
+        if isinstance(data, dict):
+            return {k: self._to_device(v) for k, v in data.items()}
+        return data
+
+    def _step(self, batch) -> float:
+        runs = self._micro_batches(batch)
+        loss_sum = torch.zeros((), device=self.topo.device)
+        for i, (indices, weight) in enumerate(runs):
+            data = self._to_device(fetch(self.dataset, indices))
+            with grad_sync(self.model, last_micro_batch=i == len(runs) - 1):
+                losses = self.loss_fn(self.model, data)
+                (losses.sum() * weight).backward()
+            if weight:
+                loss_sum += losses.detach().sum()
+        if self.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
+        factor = lr_factor(self.sampler.step - 1, self.train)
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = base * factor
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)  # contributions from every rank of the data-parallel world
+        return loss_sum.item() / batch.size
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        if self.run_dir and self.topo.is_main:
+            rundir.ensure_writable(self.run_dir)
+            if not self.checkpointing.resume:
+                rundir.clear_previous_run(self.run_dir)
+        dist.barrier()
+        start_step = self._maybe_resume()
+        self.progress.start = start_step
+        samples = self._samples_before(start_step)
+        wall_start, train_time, loss = time.perf_counter(), 0.0, float("nan")
+        records = self._open_rank_file("samples") if self.train.record_samples else None
+        for step in range(start_step + 1, self.train.max_steps + 1):
+            batch = self.sampler.next_batch(self.topo.dp_rank, self.topo.dp_size, self.train.grad_accum)
+            tic = time.perf_counter()
+            loss = self._step(batch)
+            elapsed = time.perf_counter() - tic
+            train_time += elapsed
+            samples += batch.size
+            self._log_step(step, loss, samples, elapsed, batch)
+            if records:
+                used = [i for m in batch.micro_batches for i in m]
+                records.write(json.dumps({"step": step, "epoch": batch.epoch, "indices": used}) + "\n")
+            if self.train.eval_every and step % self.train.eval_every == 0 and step < self.train.max_steps:
+                self._log_eval(step, self.evaluate())
+            if self.checkpointing.every and step % self.checkpointing.every == 0:
+                self.save_checkpoint(step)
+        if records:
+            records.close()
+        self.progress.close()
+        return self._finish(loss, samples, time.perf_counter() - wall_start, train_time, start_step)
+
+    def evaluate(self) -> dict:
+        if self.eval_fn is None:
+            return {}
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            metrics = self.eval_fn(self.model)
+        self.model.train(was_training)
+        return metrics
+
+    def _samples_before(self, step: int) -> int:
+        """Samples consumed by the first `step` steps (only an epoch's last batch is short)."""
+        epochs, rest = divmod(step, self.sampler.batches_per_epoch)
+        return epochs * self.sampler.dataset_len + rest * self.train.global_batch_size
+
+    def _log_step(self, step: int, loss: float, samples: int, elapsed: float, batch) -> None:
+        lr = self.optimizer.param_groups[0]["lr"]
+        record = {"step": step, "epoch": batch.epoch, "loss": loss, "lr": lr, "samples": samples,
+                  "step_time_s": elapsed, "samples_per_s": batch.size / elapsed}
+        self.history.append(record)
+        if self.topo.is_main and self.run_dir:
+            with open(self.run_dir / "metrics.jsonl", "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+        self.progress.update(step, loss, record["samples_per_s"])
+
+    def _log_eval(self, step: int, metrics: dict) -> None:
+        if metrics and self.topo.is_main:
+            self.progress.note(f"step {step} eval " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+
+    def _open_rank_file(self, kind: str):
+        if not self.run_dir:
+            return None
+        return open(self.run_dir / f"{kind}-rank{self.topo.rank}.jsonl", "a", buffering=1)
+
+    # -- checkpoints and the end of a run -----------------------------------------------------
+
+    def save_checkpoint(self, step: int) -> Path | None:
+        if not self.run_dir:
+            return None
+        state = {"step": step, "sampler": self.sampler.state_dict(), "world_size": self.topo.world_size,
+                 "strategy": self.train.strategy, "run": self.run_info}
+        return checkpoint.save(self.run_dir, step, self.model, self.optimizer, state, self.checkpointing.keep)
+
+    def _maybe_resume(self) -> int:
+        if not (self.checkpointing.resume and self.run_dir):
+            return 0
+        path = checkpoint.latest_checkpoint(self.run_dir)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
+        state = checkpoint.load(path, self.model, self.optimizer)
+        self.sampler.load_state_dict(state["sampler"])
+        self.progress.note(f"resumed from {path} (step {state['step']})")
+        return state["step"]
+
+    def _finish(self, loss: float, samples: int, wall: float, train_time: float, start_step: int) -> dict:
+        eval_metrics = self.evaluate()
+        steps = self.train.max_steps - start_step
+        if self.run_dir and steps and (self.checkpointing.every == 0 or self.train.max_steps % self.checkpointing.every):
+            self.save_checkpoint(self.train.max_steps)
+        weights = checkpoint.full_model_state(self.model)
+        peaks = torch.tensor([peak_memory_bytes(self.topo.device)], dtype=torch.int64, device=self.topo.device)
+        gathered = [torch.zeros_like(peaks) for _ in range(self.topo.world_size)]
+        dist.all_gather(gathered, peaks)
+        summary = {
+            "steps": self.train.max_steps, "steps_this_run": steps, "samples": samples,
+            "wall_s": wall, "train_s": train_time,
+            "samples_per_s": (samples - self._samples_before(start_step)) / train_time if train_time else 0.0,
+            "final_loss": loss, "eval": eval_metrics, "world_size": self.topo.world_size,
+            "strategy": self.train.strategy, "peak_memory_bytes": [int(t.item()) for t in gathered],
+            "run_dir": str(self.run_dir) if self.run_dir else "", **self.run_info,
+        }
+        self.final_weights = weights if self.topo.is_main else None
+        if self.topo.is_main and self.run_dir:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(self.run_dir / "model.safetensors"))
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.summary = summary
+        return summary
+
+    def print_summary(self, sample: str | None = None) -> None:
+        if self.topo.is_main and not self.quiet:
+            print_summary(self.summary, sample)

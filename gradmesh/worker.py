@@ -1,0 +1,68 @@
+"""What each worker of `gradmesh train` runs: `python -m gradmesh.worker RUN_DIR/config.toml`."""
+
+import json
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from gradmesh import config as configuration
+from gradmesh import workloads
+from gradmesh.trainer import Trainer, init
+
+
+class RankPrefixed:
+    """A text stream that starts every line with '[rank N] '."""
+
+    def __init__(self, stream, rank: int):
+        self.stream, self.prefix, self.at_line_start = stream, f"[rank {rank}] ", True
+
+    def write(self, text: str) -> int:
+        for piece in text.splitlines(keepends=True):
+            if self.at_line_start:
+                self.stream.write(self.prefix)
+            self.stream.write(piece)
+            self.at_line_start = piece.endswith("\n")
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def run_info(cfg: configuration.Config) -> dict:
+    """What a checkpoint must match to be resumed: everything that shapes the model and the data."""
+    return {"model": vars(cfg.model).copy(), "data": vars(cfg.data).copy(),
+            "global_batch_size": cfg.train.global_batch_size, "seed": cfg.train.seed}
+
+
+def train(cfg: configuration.Config) -> dict:
+    session = init(device=cfg.launch.device, seed=cfg.train.seed)
+    if session.rank != 0:
+        sys.stdout, sys.stderr = RankPrefixed(sys.stdout, session.rank), RankPrefixed(sys.stderr, session.rank)
+    run_dir = Path(cfg.run.dir)
+    workload = workloads.build(cfg, session.device)
+    trainer = Trainer(session, workload.model, workload.loss_fn, workload.train_data, train=cfg.train,
+                      checkpointing=cfg.checkpoint, run_dir=run_dir, eval_fn=workload.eval_fn,
+                      quiet=cfg.run.quiet, run_info=run_info(cfg))
+    summary = trainer.fit()
+    if session.rank == 0:
+        sample = workload.finish(trainer.final_weights)
+        extra = {"sample": sample} if sample else {}
+        if "vocab" in workload.info:
+            (run_dir / "vocab.json").write_text(json.dumps(workload.info["vocab"]))
+        summary.update(extra)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        trainer.print_summary(sample)
+    session.close()
+    return summary
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = configuration.build([configuration.load_toml(argv[0])])
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

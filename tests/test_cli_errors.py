@@ -1,0 +1,70 @@
+"""Bad input: one line naming the problem, exit code 2, no traceback, before any worker starts."""
+
+import pytest
+
+from helpers import TINY, gradmesh, train
+
+
+def assert_usage_error(result, *words):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, f"expected one line, got:\n{result.stderr}"
+    assert "Traceback" not in result.stderr and lines[0].startswith("gradmesh")
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 cr\xe8me ".encode("latin-1") * 50)
+    (tmp_path / "bad.toml").write_text("[model\nn_layer = 2\n")
+    (tmp_path / "readonly").mkdir()
+    (tmp_path / "readonly" / "file").write_text("x")
+    return tmp_path
+
+
+CASES = {
+    "unknown model": (["--model", "resnet"], ["resnet", "gpt-char", "mlp-digits"]),
+    "unknown strategy": (["--strategy", "magic"], ["magic", "ddp"]),
+    "missing data": (["--data", "{tmp}/nope.txt"], ["nope.txt", "does not exist"]),
+    "empty data": (["--data", "{tmp}/empty.txt"], ["empty.txt", "no text"]),
+    "non-UTF-8 data": (["--data", "{tmp}/latin1.txt"], ["latin1.txt", "not UTF-8"]),
+    "batch not divisible": (["--nproc", "2", "--global-batch-size", "10", "--grad-accum", "2"], ["10", "multiple of 4"]),
+    "nproc zero": (["--nproc", "0"], ["--nproc", ">= 1"]),
+    "nproc not a number": (["--nproc", "many"], ["--nproc", "many"]),
+    "malformed TOML": (["--config", "{tmp}/bad.toml"], ["bad.toml", "TOML"]),
+    "missing TOML": (["--config", "{tmp}/none.toml"], ["none.toml", "does not exist"]),
+    "unknown --set key": (["--set", "model.depth=3"], ["model.depth", "model.n_layer"]),
+    "bad --set value": (["--set", "train.lr=fast"], ["train.lr", "fast"]),
+    "heads not dividing width": (["--set", "model.n_head=5"], ["n_head=5", "n_embd"]),
+    "unwritable run dir": (["--run-dir", "{tmp}/readonly/file/run"], ["run dir", "not writable"]),
+    "resume with no checkpoint": (["--resume", "--run-dir", "{tmp}/fresh"], ["--resume", "no complete checkpoint"]),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_is_one_clear_line_with_exit_code_2(name, files):
+    args, words = CASES[name]
+    args = [a.replace("{tmp}", str(files)) for a in args]
+    if "--run-dir" not in args:
+        args += ["--run-dir", str(files / "run")]
+    assert_usage_error(gradmesh("train", *args, timeout=60), *words)
+
+
+def test_resume_with_an_incompatible_model_names_the_difference(tmp_path):
+    train(tmp_path, 1, "--max-steps", "2")
+    result = gradmesh("train", "--run-dir", str(tmp_path), "--resume", "--set", "model.n_embd=64", timeout=60)
+    assert_usage_error(result, "incompatible", "n_embd")
+
+
+def test_run_with_a_missing_script(tmp_path):
+    assert_usage_error(gradmesh("run", str(tmp_path / "nope.py"), timeout=60), "nope.py", "does not exist")
+
+
+def test_help_reads_well():
+    result = gradmesh("train", "--help", timeout=60)
+    assert result.returncode == 0
+    for flag in ("--nproc", "--global-batch-size", "--grad-accum", "--optimizer", "--resume",
+                 "--checkpoint-every", "--set", "--config", "--rdzv-endpoint"):
+        assert flag in result.stdout
