@@ -209,7 +209,7 @@ class Trainer:
     def _log_step(self, step: int, loss: float, samples: int, elapsed: float, batch) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
         record = {"step": step, "epoch": batch.epoch, "loss": loss, "lr": lr, "samples": samples,
-                  "step_time_s": elapsed, "samples_per_s": batch.size / elapsed}
+                  "step_time_s": elapsed, "samples_per_s": batch.size / elapsed, "time": time.time()}
         self.history.append(record)
         if self.topo.is_main and self.run_dir:
             with open(self.run_dir / "metrics.jsonl", "a") as handle:

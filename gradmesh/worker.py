@@ -12,14 +12,15 @@ from gradmesh.trainer import Trainer, init
 
 
 class RankPrefixed:
-    """A text stream that starts every line with '[rank N] '."""
+    """A text stream that starts every line with '[rankN]: ' (the prefix torch uses for tracebacks)."""
 
     def __init__(self, stream, rank: int):
-        self.stream, self.prefix, self.at_line_start = stream, f"[rank {rank}] ", True
+        self.stream, self.prefix, self.at_line_start = stream, f"[rank{rank}]: ", True
 
     def write(self, text: str) -> int:
         for piece in text.splitlines(keepends=True):
-            if self.at_line_start:
+            # torch's own excepthook already prefixes traceback lines the same way.
+            if self.at_line_start and not piece.startswith(self.prefix[:-1]):
                 self.stream.write(self.prefix)
             self.stream.write(piece)
             self.at_line_start = piece.endswith("\n")

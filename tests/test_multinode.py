@@ -1,0 +1,36 @@
+"""torchrun's multi-node options pass through: two 'nodes' (two gradmesh agents) on loopback."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from helpers import TINY, rel_l2, train, weights
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("backend", ["c10d", "static"])
+def test_two_nodes_train_like_one_process(tmp_path, backend):
+    args = ["--max-steps", "8", "--global-batch-size", "8", "--optimizer", "sgd"]
+    train(tmp_path / "one", 1, *args)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "gradmesh", "train", "--nnodes", "2", "--nproc", "1",
+               "--rdzv-endpoint", endpoint, "--rdzv-id", f"test-{backend}", "--rdzv-backend", backend,
+               "--run-dir", str(tmp_path / "two"), "--quiet", *TINY, *args]
+        if backend == "static":
+            cmd += ["--node-rank", str(node)]
+        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=dict(os.environ, PYTHONUNBUFFERED="1")))
+    for proc in nodes:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+    assert rel_l2(weights(tmp_path / "two"), weights(tmp_path / "one")) <= 1e-5
