@@ -20,6 +20,7 @@ FLAG_KEYS = {
     "optimizer": "train.optimizer", "lr": "train.lr", "max_steps": "train.max_steps",
     "seed": "train.seed", "eval_every": "train.eval_every", "record_samples": "train.record_samples",
     "checkpoint_every": "checkpoint.every", "resume": "checkpoint.resume",
+    "async_checkpoint": "checkpoint.async_save",
     "run_dir": "run.dir", "quiet": "run.quiet",
     "nproc": "launch.nproc", "nnodes": "launch.nnodes", "node_rank": "launch.node_rank",
     "rdzv_endpoint": "launch.rdzv_endpoint", "rdzv_id": "launch.rdzv_id",
@@ -81,6 +82,7 @@ def build_parser() -> Parser:
     run.add_argument("--run-dir", metavar="DIR", help="where config, metrics, checkpoints and weights go (default runs/latest)")
     run.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps (default: at the end)")
     run.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint in --run-dir")
+    run.add_argument("--async-checkpoint", action="store_true", default=None, help="write checkpoints in the background")
     run.add_argument("--record-samples", action="store_true", default=None, help="log each rank's sample indices per step")
     run.add_argument("--quiet", action="store_true", default=None, help="no progress bar or summary table")
     _add_launch_options(train)
@@ -126,11 +128,18 @@ def _launch_shape(launch: configuration.LaunchConfig) -> tuple[str, int]:
 
 
 def _check_resume(cfg: configuration.Config, run_dir: Path) -> None:
+    from gradmesh import workloads
     from gradmesh.worker import run_info
 
-    latest = checkpoint.latest_checkpoint(run_dir)
-    if latest is None:
+    if not checkpoint.complete_checkpoints(run_dir):
         raise UsageError(f"--resume: no complete checkpoint in {str(run_dir / 'checkpoints')!r}; run without --resume first")
+    latest = checkpoint.latest_good_checkpoint(run_dir, warn=lambda text: print(text, file=sys.stderr))
+    if latest is None:
+        raise UsageError(f"--resume: every checkpoint in {str(run_dir / 'checkpoints')!r} is damaged; start a fresh run")
+    problems = checkpoint.shape_mismatches(checkpoint.saved_shapes(latest), workloads.model_shapes(cfg))
+    if problems:
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        raise UsageError(f"--resume: {latest} does not fit this model: " + "; ".join(problems[:4]) + more)
     saved = checkpoint.read_state(latest).get("run", {})
     now = run_info(cfg)
     diffs = [f"{key}: checkpoint {saved.get(key)!r} vs now {now[key]!r}"

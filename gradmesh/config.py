@@ -17,7 +17,7 @@ import tomli_w
 from gradmesh.errors import UsageError
 
 MODELS = ("gpt-char", "mlp-digits")
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "zero1", "fsdp")
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -88,7 +88,7 @@ class TrainConfig:
     """The optimisation: batch, optimizer, schedule, strategy."""
 
     strategy: str = "ddp"
-    """Parallelism strategy: ddp."""
+    """Parallelism strategy: ddp, zero1 (optimizer state sharded) or fsdp (everything sharded)."""
     global_batch_size: int = 32
     """Samples per optimizer step summed over all ranks and micro-batches."""
     grad_accum: int = 1
@@ -142,7 +142,9 @@ class CheckpointConfig:
     keep: int = 3
     """Keep the newest N checkpoints (0 keeps all)."""
     resume: bool = False
-    """Continue from the latest checkpoint in the run directory."""
+    """Continue from the latest intact checkpoint in the run directory."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on."""
 
     def __post_init__(self):
         _positive("checkpoint", "every", self.every, allow_zero=True)

@@ -41,7 +41,9 @@ def auto_nproc(device_type: str) -> int:
 
 
 def threads_per_worker(local_world_size: int) -> int:
-    """Share the cores so N local workers do not oversubscribe them."""
+    """Share the cores so N local workers do not oversubscribe them; OMP_NUM_THREADS overrides."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
     return max(1, (os.cpu_count() or 1) // local_world_size)
 
 

@@ -15,6 +15,7 @@ import math
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,14 +24,14 @@ import torch.nn as nn
 
 from gradmesh import rundir
 from gradmesh.config import CheckpointConfig, TrainConfig
-from gradmesh.data import GlobalOrderSampler, fetch
+from gradmesh.data import GlobalBatch, GlobalOrderSampler, fetch
 from gradmesh.fault import checkpoint
 from gradmesh.monitor.progress import TrainingProgress, print_summary
-from gradmesh.parallel import apply_strategy, grad_sync, unwrap
+from gradmesh.parallel import apply_strategy, build_optimizer, grad_sync, model_state_bytes
 from gradmesh.topology import Topology
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
-OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+OptimizerSpec = tuple[type[torch.optim.Optimizer], dict]
 
 
 class Session:
@@ -75,11 +76,11 @@ def init(device: str = "auto", mesh: dict[str, int] | None = None, seed: int = 0
     return Session(Topology.from_env(device=device, mesh_shape=mesh).start())
 
 
-def make_optimizer(train: TrainConfig) -> OptimizerFactory:
+def optimizer_spec(train: TrainConfig) -> "OptimizerSpec":
+    """(optimizer class, keyword arguments) from the config's adamw|sgd choice."""
     if train.optimizer == "sgd":
-        return lambda params: torch.optim.SGD(params, lr=train.lr, momentum=train.momentum,
-                                              weight_decay=train.weight_decay)
-    return lambda params: torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+        return torch.optim.SGD, {"lr": train.lr, "momentum": train.momentum, "weight_decay": train.weight_decay}
+    return torch.optim.AdamW, {"lr": train.lr, "weight_decay": train.weight_decay}
 
 
 def lr_factor(step: int, train: TrainConfig) -> float:
@@ -97,12 +98,27 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+@dataclass
+class StepResult:
+    """One optimizer step whose global loss may still be on its way."""
+
+    batch: GlobalBatch
+    per_rank: list[torch.Tensor]
+    """Per rank: [sum of its samples' losses, model-state bytes, peak memory bytes]."""
+    work: dist.Work
+    lr: float = 0.0
+    step: int = 0
+    samples: int = 0
+    elapsed: float = 0.0
+    finished: float = field(default_factory=time.time)
+
+
 class Trainer:
     """Runs `train.max_steps` optimizer steps of `model` on `dataset` across the session's ranks."""
 
     def __init__(self, session: Session, model: nn.Module, loss_fn: LossFn, dataset, *,
                  train: TrainConfig | None = None, checkpointing: CheckpointConfig | None = None,
-                 optimizer: OptimizerFactory | None = None, run_dir: str | Path | None = None,
+                 optimizer: OptimizerSpec | None = None, run_dir: str | Path | None = None,
                  eval_fn: Callable[[nn.Module], dict] | None = None, quiet: bool = False,
                  run_info: dict | None = None):
         self.session, self.topo = session, session.topology
@@ -112,12 +128,17 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir else None
         self.run_info = run_info or {}
         self.model = session.prepare(model, self.train.strategy)
-        self.optimizer = (optimizer or make_optimizer(self.train))(list(self.model.parameters()))
+        optimizer_class, kwargs = optimizer or optimizer_spec(self.train)
+        self.optimizer = build_optimizer(self.model, self.topo, self.train.strategy, optimizer_class, kwargs)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
         self.progress = TrainingProgress(self.train.max_steps, enabled=self.topo.is_main and not quiet)
         self.quiet = quiet
         self.history: list[dict] = []
+        self.checkpointer = None
+        if self.run_dir:
+            self.checkpointer = checkpoint.Checkpointer(self.run_dir, self.train.strategy, self.checkpointing.keep,
+                                                        self.checkpointing.async_save)
 
     # -- one optimizer step -------------------------------------------------------------------
 
@@ -138,12 +159,12 @@ class Trainer:
             return {k: self._to_device(v) for k, v in data.items()}
         return data
 
-    def _step(self, batch) -> float:
+    def _step(self, batch) -> "StepResult":
         runs = self._micro_batches(batch)
         loss_sum = torch.zeros((), device=self.topo.device)
         for i, (indices, weight) in enumerate(runs):
             data = self._to_device(fetch(self.dataset, indices))
-            with grad_sync(self.model, last_micro_batch=i == len(runs) - 1):
+            with grad_sync(self.model, self.train.strategy, last_micro_batch=i == len(runs) - 1):
                 losses = self.loss_fn(self.model, data)
                 (losses.sum() * weight).backward()
             if weight:
@@ -154,9 +175,17 @@ class Trainer:
         for group, base in zip(self.optimizer.param_groups, self._base_lrs):
             group["lr"] = base * factor
         self.optimizer.step()
+        # Measured here, where parameters, gradients and optimizer state all exist.
+        stats = torch.zeros(3, dtype=torch.float64, device=self.topo.device)
+        stats[0] = loss_sum
+        stats[1] = model_state_bytes(self.model, self.optimizer)
+        stats[2] = peak_memory_bytes(self.topo.device)
         self.optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)  # contributions from every rank of the data-parallel world
-        return loss_sum.item() / batch.size
+        # Every rank's loss and memory travel in the background and are read one step later: a
+        # blocking collective here would cost every step a round trip (~4% measured on CPU).
+        gathered = [torch.zeros_like(stats) for _ in range(self.topo.world_size)]
+        work = dist.all_gather(gathered, stats, async_op=True)
+        return StepResult(batch, gathered, work, lr=self.optimizer.param_groups[0]["lr"])
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -171,14 +200,18 @@ class Trainer:
         samples = self._samples_before(start_step)
         wall_start, train_time, loss = time.perf_counter(), 0.0, float("nan")
         records = self._open_rank_file("samples") if self.train.record_samples else None
+        previous = None
         for step in range(start_step + 1, self.train.max_steps + 1):
             batch = self.sampler.next_batch(self.topo.dp_rank, self.topo.dp_size, self.train.grad_accum)
             tic = time.perf_counter()
-            loss = self._step(batch)
-            elapsed = time.perf_counter() - tic
-            train_time += elapsed
+            result = self._step(batch)
+            result.elapsed = time.perf_counter() - tic
+            train_time += result.elapsed
             samples += batch.size
-            self._log_step(step, loss, samples, elapsed, batch)
+            result.step, result.samples = step, samples
+            if previous:
+                loss = self._log_step(previous)
+            previous = result
             if records:
                 used = [i for m in batch.micro_batches for i in m]
                 records.write(json.dumps({"step": step, "epoch": batch.epoch, "indices": used}) + "\n")
@@ -186,6 +219,8 @@ class Trainer:
                 self._log_eval(step, self.evaluate())
             if self.checkpointing.every and step % self.checkpointing.every == 0:
                 self.save_checkpoint(step)
+        if previous:
+            loss = self._log_step(previous)
         if records:
             records.close()
         self.progress.close()
@@ -206,15 +241,22 @@ class Trainer:
         epochs, rest = divmod(step, self.sampler.batches_per_epoch)
         return epochs * self.sampler.dataset_len + rest * self.train.global_batch_size
 
-    def _log_step(self, step: int, loss: float, samples: int, elapsed: float, batch) -> None:
-        lr = self.optimizer.param_groups[0]["lr"]
-        record = {"step": step, "epoch": batch.epoch, "loss": loss, "lr": lr, "samples": samples,
-                  "step_time_s": elapsed, "samples_per_s": batch.size / elapsed, "time": time.time()}
+    def _log_step(self, result: "StepResult") -> float:
+        """Wait for a step's global loss, then record it (metrics.jsonl on rank 0, progress bar)."""
+        result.work.wait()
+        per_rank = torch.stack(result.per_rank).cpu()
+        loss = per_rank[:, 0].sum().item() / result.batch.size
+        record = {"step": result.step, "epoch": result.batch.epoch, "loss": loss, "lr": result.lr,
+                  "samples": result.samples, "step_time_s": result.elapsed,
+                  "samples_per_s": result.batch.size / result.elapsed, "time": result.finished,
+                  "model_state_bytes": [int(b) for b in per_rank[:, 1]],
+                  "peak_memory_bytes": [int(b) for b in per_rank[:, 2]]}
         self.history.append(record)
         if self.topo.is_main and self.run_dir:
             with open(self.run_dir / "metrics.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
-        self.progress.update(step, loss, record["samples_per_s"])
+        self.progress.update(result.step, loss, record["samples_per_s"])
+        return loss
 
     def _log_eval(self, step: int, metrics: dict) -> None:
         if metrics and self.topo.is_main:
@@ -227,22 +269,29 @@ class Trainer:
 
     # -- checkpoints and the end of a run -----------------------------------------------------
 
-    def save_checkpoint(self, step: int) -> Path | None:
-        if not self.run_dir:
-            return None
+    def save_checkpoint(self, step: int) -> None:
+        if self.checkpointer is None:
+            return
         state = {"step": step, "sampler": self.sampler.state_dict(), "world_size": self.topo.world_size,
                  "strategy": self.train.strategy, "run": self.run_info}
-        return checkpoint.save(self.run_dir, step, self.model, self.optimizer, state, self.checkpointing.keep)
+        self.checkpointer.save(step, self.model, self.optimizer, state)
 
     def _maybe_resume(self) -> int:
-        if not (self.checkpointing.resume and self.run_dir):
+        if not (self.checkpointing.resume and self.checkpointer):
             return 0
-        path = checkpoint.latest_checkpoint(self.run_dir)
-        if path is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
-        state = checkpoint.load(path, self.model, self.optimizer)
+        # Rank 0 verifies checksums and picks the newest intact checkpoint for everyone.
+        chosen = torch.tensor([-1], dtype=torch.int64)
+        if self.topo.is_main:
+            path = checkpoint.latest_good_checkpoint(self.run_dir, warn=self.progress.note)
+            chosen[0] = int(path.name.split("-")[1]) if path else -1
+        dist.broadcast(chosen, src=0, group=self.checkpointer.group)
+        if chosen.item() < 0:
+            raise checkpoint.CheckpointError(f"--resume: no intact checkpoint under {self.run_dir / 'checkpoints'}")
+        path = checkpoint.checkpoint_root(self.run_dir) / f"step-{chosen.item()}"
+        state = self.checkpointer.load(path, self.model, self.optimizer)
         self.sampler.load_state_dict(state["sampler"])
-        self.progress.note(f"resumed from {path} (step {state['step']})")
+        self.progress.note(f"resumed from {path} (step {state['step']}, written by {state.get('strategy')} "
+                           f"at world size {state.get('world_size')})")
         return state["step"]
 
     def _finish(self, loss: float, samples: int, wall: float, train_time: float, start_step: int) -> dict:
@@ -250,6 +299,8 @@ class Trainer:
         steps = self.train.max_steps - start_step
         if self.run_dir and steps and (self.checkpointing.every == 0 or self.train.max_steps % self.checkpointing.every):
             self.save_checkpoint(self.train.max_steps)
+        if self.checkpointer:
+            self.checkpointer.wait()
         weights = checkpoint.full_model_state(self.model)
         peaks = torch.tensor([peak_memory_bytes(self.topo.device)], dtype=torch.int64, device=self.topo.device)
         gathered = [torch.zeros_like(peaks) for _ in range(self.topo.world_size)]
@@ -260,6 +311,7 @@ class Trainer:
             "samples_per_s": (samples - self._samples_before(start_step)) / train_time if train_time else 0.0,
             "final_loss": loss, "eval": eval_metrics, "world_size": self.topo.world_size,
             "strategy": self.train.strategy, "peak_memory_bytes": [int(t.item()) for t in gathered],
+            "model_state_bytes": self.history[-1]["model_state_bytes"] if self.history else [],
             "run_dir": str(self.run_dir) if self.run_dir else "", **self.run_info,
         }
         self.final_weights = weights if self.topo.is_main else None

@@ -102,6 +102,20 @@ def build(cfg: Config, device: torch.device) -> Workload:
     return BUILDERS[cfg.model.name](cfg, device)
 
 
+def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of the configured model, built on the meta device (no memory, no data)."""
+    if cfg.model.name == "gpt-char":
+        vocab = CharVocab.of(load_text(cfg.data.path, cfg.data.max_chars))
+        with torch.device("meta"):
+            model = gpt.GPT(gpt.GPTConfig(
+                vocab_size=len(vocab.chars), block_size=cfg.model.block_size, n_layer=cfg.model.n_layer,
+                n_head=cfg.model.n_head, n_embd=cfg.model.n_embd, bias=cfg.model.bias))
+    else:
+        with torch.device("meta"):
+            model = mlp.MLP(hidden=cfg.model.hidden)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
 def check_inputs(cfg: Config) -> None:
     """Fail fast (UsageError) on data problems before any worker starts."""
     if cfg.model.name == "gpt-char":

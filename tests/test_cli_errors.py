@@ -52,10 +52,12 @@ def test_bad_input_is_one_clear_line_with_exit_code_2(name, files):
     assert_usage_error(gradmesh("train", *args, timeout=60), *words)
 
 
-def test_resume_with_an_incompatible_model_names_the_difference(tmp_path):
+def test_resume_into_a_model_of_another_shape_names_the_tensors(tmp_path):
     train(tmp_path, 1, "--max-steps", "2")
     result = gradmesh("train", "--run-dir", str(tmp_path), "--resume", "--set", "model.n_embd=64", timeout=60)
-    assert_usage_error(result, "incompatible", "n_embd")
+    assert_usage_error(result, "does not fit", "wte.weight [94, 32] in checkpoint vs [94, 64] now")
+    result = gradmesh("train", "--run-dir", str(tmp_path), "--resume", "--global-batch-size", "12", timeout=60)
+    assert_usage_error(result, "incompatible", "global_batch_size")
 
 
 def test_run_with_a_missing_script(tmp_path):

@@ -49,3 +49,15 @@ def test_short_last_batch_of_an_epoch_is_weighted_exactly(tmp_path):
     train(tmp_path / "one", 1, *args, tiny=False)
     train(tmp_path / "four", 4, *args, tiny=False)
     assert rel_l2(weights(tmp_path / "four"), weights(tmp_path / "one")) <= TOLERANCE
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("strategy, nproc", [("zero1", 2), ("zero1", 4), ("fsdp", 2), ("fsdp", 4)])
+def test_sharded_strategies_match_single_process(reference, tmp_path, strategy, nproc, optimizer):
+    train(tmp_path, nproc, *STEPS, "--optimizer", optimizer, "--strategy", strategy)
+    assert rel_l2(weights(tmp_path), reference[optimizer]) <= TOLERANCE
+
+
+def test_fsdp_gradient_accumulation_matches_single_process(reference, tmp_path):
+    train(tmp_path, 2, *STEPS, "--optimizer", "sgd", "--strategy", "fsdp", "--grad-accum", "2")
+    assert rel_l2(weights(tmp_path), reference["sgd"]) <= TOLERANCE

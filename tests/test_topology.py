@@ -29,8 +29,14 @@ def test_mesh_must_cover_the_world_and_use_known_axes():
         topo(0, 4, {"xy": 4})
 
 
-def test_threads_are_shared_between_local_workers():
+def test_threads_are_shared_between_local_workers(monkeypatch):
     import os
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = os.cpu_count()
     assert threads_per_worker(1) == cores
     assert threads_per_worker(cores * 2) == 1
+
+
+def test_omp_num_threads_overrides_the_share(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_worker(2) == 3

@@ -1,26 +1,37 @@
 """Checkpoints through torch.distributed.checkpoint (DCP), published atomically.
 
 Layout: `RUN_DIR/checkpoints/step-N/` holds DCP's shard files and `.metadata`, plus
-`trainer_state.json` (step, sampler position, the config that shapes the model and data).
-Each rank writes its own shard into `.tmp-step-N/`; only when every rank has finished does
-rank 0 add trainer_state.json and rename the folder to `step-N`. A rename is atomic on one
-file system, so a crash mid-write leaves a `.tmp-*` folder that is ignored and cleaned up later,
-never a latest checkpoint that fails to load. State dicts come from DCP's
-`get_state_dict`, which speaks in fully qualified parameter names whatever the strategy, so a
-checkpoint is not tied to the world size that wrote it.
+`trainer_state.json` (step, sampler position, the config that shapes model and data, and a
+size and CRC-32 for every file). Each rank writes its own shard into `.tmp-step-N/`; only when
+every rank has finished does rank 0 add trainer_state.json and rename the folder to `step-N`.
+A rename is atomic on one file system, so a crash mid-write leaves a `.tmp-*` folder that is
+ignored and cleaned up later. A published checkpoint damaged afterwards (a truncated or
+altered file) fails its checksums and the newest intact one is used instead, with a warning.
+
+State dicts are keyed by fully qualified parameter names whatever the strategy (DCP's
+`get_model_state_dict`, and `parallel.optimizer_state`), and DCP reshards on load, so a
+checkpoint written by any strategy at any world size loads under any other.
 """
 
 import json
 import os
 import shutil
+import zlib
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from gradmesh.parallel import load_optimizer_state, optimizer_state
 
 STATE_FILE = "trainer_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read."""
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -32,14 +43,12 @@ def _step_of(path: Path) -> int:
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Finished checkpoints, newest first."""
+    """Published checkpoints, newest first (not yet verified)."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    found = [
-        p for p in root.glob("step-*")
-        if p.name[5:].isdigit() and (p / STATE_FILE).is_file() and (p / ".metadata").is_file()
-    ]
+    found = [p for p in root.glob("step-*")
+             if p.name[5:].isdigit() and (p / STATE_FILE).is_file() and (p / ".metadata").is_file()]
     return sorted(found, key=_step_of, reverse=True)
 
 
@@ -52,6 +61,48 @@ def read_state(path: Path) -> dict:
     return json.loads((path / STATE_FILE).read_text())
 
 
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def file_digests(folder: Path) -> dict[str, list[int]]:
+    return {p.name: [p.stat().st_size, _crc32(p)] for p in sorted(folder.iterdir())
+            if p.is_file() and p.name != STATE_FILE}
+
+
+def verify(path: Path) -> str | None:
+    """None if the checkpoint is intact, else what is wrong with it."""
+    try:
+        expected = read_state(path).get("files")
+    except (OSError, ValueError) as exc:
+        return f"{STATE_FILE} unreadable ({exc})"
+    if expected is None:
+        return None  # written before checksums existed
+    for name, (size, crc) in expected.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, expected {size}"
+        if _crc32(file) != crc:
+            return f"{name} fails its checksum"
+    return None
+
+
+def latest_good_checkpoint(run_dir: str | Path, warn=print) -> Path | None:
+    """Newest checkpoint that passes verification; damaged newer ones are reported via warn."""
+    for path in complete_checkpoints(run_dir):
+        problem = verify(path)
+        if problem is None:
+            return path
+        warn(f"gradmesh: checkpoint {path} is damaged ({problem}); trying the previous one")
+    return None
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -60,51 +111,120 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(run_dir: str | Path, step: int, model, optimizer, state: dict, keep: int = 0) -> Path:
-    """Collective: every rank calls it. Returns the published folder."""
-    root = checkpoint_root(run_dir)
-    tmp, final = root / f".tmp-step-{step}", root / f"step-{step}"
-    is_main = dist.get_rank() == 0
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-    if is_main:
-        with open(tmp / STATE_FILE, "w") as handle:
-            json.dump(state, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _prune(root, keep)
-    dist.barrier()
-    return final
+def _model_state(model) -> dict:
+    return get_model_state_dict(model)
 
 
-def _prune(root: Path, keep: int) -> None:
-    for stale in root.glob(".tmp-step-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    if keep > 0:
-        for old in complete_checkpoints(root.parent)[keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+class Checkpointer:
+    """Writes checkpoints for one run; with `use_async`, training goes on during the write.
+
+    Collective: every rank calls `save`, `wait` and `load` in the same order.
+    """
+
+    def __init__(self, run_dir: str | Path, strategy: str, keep: int = 0, use_async: bool = False):
+        self.root = checkpoint_root(run_dir)
+        self.strategy, self.keep, self.use_async = strategy, keep, use_async
+        self.is_main = dist.get_rank() == 0
+        # Checkpoint coordination runs on its own gloo group: async writes' background
+        # collectives never interleave with training's (DCP's advice for async_save), and small
+        # CPU tensors work even when training runs on NCCL.
+        self.group = dist.new_group(backend="gloo")
+        self.pending: tuple[int, dict, Future] | None = None
+
+    def save(self, step: int, model, optimizer, state: dict) -> None:
+        self.wait()  # one write in flight at a time
+        tmp = self.root / f".tmp-step-{step}"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        payload = {"model": _model_state(model), "optim": optimizer_state(model, optimizer, self.strategy)}
+        if self.use_async:
+            future = dcp.async_save(payload, checkpoint_id=str(tmp), process_group=self.group)
+            self.pending = (step, state, future)
+        else:
+            dcp.save(payload, checkpoint_id=str(tmp))
+            self._publish(step, state)
+
+    def wait(self) -> None:
+        """Finish (and publish) an async write in flight; its failure is raised here."""
+        if self.pending is None:
+            return
+        step, state, future = self.pending
+        self.pending = None
+        error = None
+        try:
+            future.result()
+        except Exception as exc:  # reported on every rank, never lost
+            error = exc
+        failed = torch.tensor([1 if error else 0])
+        dist.all_reduce(failed, group=self.group)
+        if failed.item():
+            raise CheckpointError(f"async checkpoint of step {step} failed on {int(failed.item())} rank(s)"
+                                  + (f": {error}" if error else "")) from error
+        self._publish(step, state)
+
+    def _publish(self, step: int, state: dict) -> None:
+        dist.barrier()  # every rank's shard is on disk
+        if self.is_main:
+            tmp, final = self.root / f".tmp-step-{step}", self.root / f"step-{step}"
+            state = dict(state, files=file_digests(tmp))
+            with open(tmp / STATE_FILE, "w") as handle:
+                json.dump(state, handle, indent=1)
+                handle.flush()
+                os.fsync(handle.fileno())
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            self._prune()
+        dist.barrier()
+
+    def _prune(self) -> None:
+        for stale in self.root.glob(".tmp-step-*"):
+            if self.pending is None or stale.name != f".tmp-step-{self.pending[0]}":
+                shutil.rmtree(stale, ignore_errors=True)
+        if self.keep > 0:
+            for old in complete_checkpoints(self.root.parent)[self.keep:]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: Path, model, optimizer) -> dict:
+        """Load model and optimizer state in place from `path`; returns its trainer state."""
+        payload = {"model": _model_state(model),
+                   "optim": optimizer_state(model, optimizer, self.strategy, for_load=True)}
+        try:
+            dcp.load(payload, checkpoint_id=str(path))
+        except Exception as exc:
+            raise CheckpointError(describe_load_error(path, exc)) from exc
+        set_model_state_dict(model, payload["model"])
+        load_optimizer_state(model, optimizer, self.strategy, payload["optim"])
+        return read_state(path)
 
 
-def load(path: Path, model, optimizer) -> dict:
-    """Collective: load model and optimizer state in place; returns trainer_state.json."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return read_state(path)
+def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the model tensors in a checkpoint (from DCP's metadata)."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return {key.removeprefix("model."): tuple(meta.size)
+            for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and hasattr(meta, "size")}
+
+
+def shape_mismatches(saved: dict[str, tuple], current: dict[str, tuple]) -> list[str]:
+    problems = [f"{name} {list(saved[name])} in checkpoint vs {list(shape)} now"
+                for name, shape in current.items() if name in saved and tuple(saved[name]) != tuple(shape)]
+    problems += [f"{name} missing from checkpoint" for name in current if name not in saved]
+    problems += [f"{name} not in this model" for name in saved if name not in current]
+    return problems
+
+
+def describe_load_error(path: Path, exc: Exception) -> str:
+    text = str(exc)
+    if "size mismatch" in text or "shape" in text.lower():
+        return f"checkpoint {path} does not fit this model: {text.splitlines()[-1][:400]}"
+    return f"checkpoint {path} could not be loaded: {text.splitlines()[-1][:400] if text else type(exc).__name__}"
 
 
 def full_model_state(model) -> dict[str, torch.Tensor]:
-    """Collective: the whole unsharded model state on CPU, named as in the plain model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+    """Collective: the whole unsharded model state on CPU (on rank 0), named as in the plain model."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)

@@ -41,8 +41,8 @@ def describe_failure(err: ChildFailedError) -> str:
 def run_workers(launch: LaunchConfig, nproc: int, target: list[str]) -> int:
     """Run `target` (['-m', module, ...] or [script, ...]) on nproc local workers; exit code."""
     # torchrun's own default is one thread per worker; dividing the cores is faster when
-    # fewer workers than cores run here.
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(nproc)))
+    # fewer workers than cores run here. A user's OMP_NUM_THREADS wins.
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     args = torchrun.parse_args(torchrun_args(launch, nproc) + target)
     try:

@@ -1,33 +1,112 @@
-"""Strategies: functions applied to a plain model, composed in one place (`apply_strategy`)."""
+"""Strategies: functions applied to a plain model, chosen from one table (`STRATEGIES`).
 
+Composition order, once strategies combine on a mesh: tensor parallel first (it rewrites
+modules), then the pipeline split (it cuts the rewritten model), then data parallel or
+sharding over whatever each rank holds.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from gradmesh.config import STRATEGIES
 from gradmesh.errors import UsageError
 from gradmesh.parallel.data import apply_ddp, ddp_sync
+from gradmesh.parallel.sharded import apply_fsdp, fsdp_sync, zero1_optimizer, zero1_state
 from gradmesh.topology import Topology
 
 
-def apply_strategy(model: nn.Module, topology: Topology, strategy: str) -> nn.Module:
-    """Wrap a plain model for `strategy`.
+def _plain_optimizer(params, topology, optimizer_class, **kwargs):
+    return optimizer_class(params, **kwargs)
 
-    Composition order, once more strategies exist: tensor parallel first (it rewrites modules),
-    then the pipeline split (it cuts the rewritten model), then data parallel / sharding over
-    whatever each rank holds.
-    """
-    if strategy not in STRATEGIES:
-        raise UsageError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
-    return apply_ddp(model, topology)
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    wrap: Callable[[nn.Module, Topology], nn.Module]
+    """Applies the strategy to a plain model."""
+    optimizer: Callable = _plain_optimizer
+    """(params, topology, optimizer_class, **kwargs) -> optimizer."""
+    sync: Callable = ddp_sync
+    """(model, last_micro_batch) -> context for one micro-batch's backward."""
+    sharded_optimizer: bool = False
+    """Optimizer state split across data-parallel ranks by gradmesh (not by DTensor)."""
+
+
+STRATEGIES = {
+    "ddp": Strategy("ddp", apply_ddp),
+    "zero1": Strategy("zero1", apply_ddp, optimizer=zero1_optimizer, sharded_optimizer=True),
+    "fsdp": Strategy("fsdp", apply_fsdp, sync=fsdp_sync),
+}
+
+
+def get_strategy(name: str) -> Strategy:
+    if name not in STRATEGIES:
+        raise UsageError(f"strategy {name!r} is not one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def apply_strategy(model: nn.Module, topology: Topology, strategy: str) -> nn.Module:
+    return get_strategy(strategy).wrap(model, topology)
+
+
+def build_optimizer(model: nn.Module, topology: Topology, strategy: str, optimizer_class, kwargs: dict):
+    return get_strategy(strategy).optimizer(list(model.parameters()), topology, optimizer_class, **kwargs)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's plain module inside a strategy wrapper."""
+    """The user's plain module inside a DDP wrapper (FSDP2 modifies the model in place)."""
     return getattr(model, "module", model)
 
 
-def grad_sync(model: nn.Module, last_micro_batch: bool):
-    """Context for one micro-batch's backward: communicate gradients only on the last one."""
-    return ddp_sync(model, last_micro_batch)
+def grad_sync(model: nn.Module, strategy: str, last_micro_batch: bool):
+    return get_strategy(strategy).sync(model, last_micro_batch)
 
 
-__all__ = ["STRATEGIES", "apply_strategy", "unwrap", "grad_sync"]
+def optimizer_state(model: nn.Module, optimizer, strategy: str, for_load: bool = False) -> dict:
+    """Optimizer state keyed by parameter name: {"state": {fqn: {name: tensor}}}.
+
+    DDP and FSDP give every parameter (FSDP as DTensor shards); ZeRO-1 gives the parameters this
+    rank owns. DCP matches keys and reshards, so any strategy loads what any other wrote.
+    """
+    if get_strategy(strategy).sharded_optimizer:
+        return zero1_state(model, optimizer, create=for_load)
+    return {"state": get_optimizer_state_dict(model, optimizer)["state"]}
+
+
+def load_optimizer_state(model: nn.Module, optimizer, strategy: str, state: dict) -> None:
+    """Install state that DCP loaded into the tensors `optimizer_state(for_load=True)` gave."""
+    if get_strategy(strategy).sharded_optimizer:
+        return  # loaded in place into the optimizer's own tensors
+    groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    set_optimizer_state_dict(model, optimizer, {"state": state["state"], "param_groups": groups})
+
+
+def model_state_bytes(model: nn.Module, optimizer) -> int:
+    """Bytes of parameters, gradients and optimizer state held by this rank (local shards only)."""
+    seen, total = set(), 0
+
+    def add(tensor):
+        nonlocal total
+        if not isinstance(tensor, torch.Tensor):
+            return
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        key = (local.data_ptr(), local.numel())
+        if local.numel() and key not in seen:
+            seen.add(key)
+            total += local.numel() * local.element_size()
+
+    for param in model.parameters():
+        add(param)
+        add(param.grad)
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer holds the local one
+    for per_param in inner.state.values():
+        for value in per_param.values():
+            add(value)
+    return total
+
+
+__all__ = ["STRATEGIES", "Strategy", "apply_strategy", "build_optimizer", "unwrap", "grad_sync",
+           "optimizer_state", "load_optimizer_state", "model_state_bytes"]

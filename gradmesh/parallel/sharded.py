@@ -1,0 +1,85 @@
+"""Sharded data parallelism: ZeRO-1 (ZeroRedundancyOptimizer) and FSDP2 (`fully_shard`).
+
+Both come from torch; gradmesh supplies the sharding plan (which submodules become FSDP
+units: a table per model, not branches in forward), the data axis of the mesh, and an
+optimizer-state view in fully qualified parameter names for ZeRO-1 — DCP's state-dict helpers
+do not know ZeroRedundancyOptimizer, and checkpoints must stay reshardable across strategies.
+"""
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from gradmesh.topology import Topology
+
+# Sharding plan: class name -> attribute holding the blocks that become FSDP units (each one
+# all-gathers its parameters just before use and frees them after). The root is always a unit.
+FSDP_UNITS = {"GPT": "h", "MLP": None}
+
+
+def data_mesh(topology: Topology):
+    axis = "fsdp" if "fsdp" in topology.mesh_shape else "dp"
+    return topology.mesh[axis]
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    name = type(model).__name__
+    if name in FSDP_UNITS:
+        attr = FSDP_UNITS[name]
+        return list(getattr(model, attr)) if attr else []
+    # A model gradmesh does not know: shard each block of its first ModuleList, as torchtitan
+    # does for transformer layers.
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            return list(module)
+    return []
+
+
+def apply_fsdp(model: nn.Module, topology: Topology) -> nn.Module:
+    model.to(topology.device)
+    mesh = data_mesh(topology)
+    for unit in _units(model):
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def fsdp_sync(model: nn.Module, last_micro_batch: bool):
+    """Reduce-scatter gradients only on a step's last micro-batch."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last_micro_batch)
+    return contextlib.nullcontext()
+
+
+def zero1_optimizer(params, topology: Topology, optimizer_class, **kwargs) -> ZeroRedundancyOptimizer:
+    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class,
+                                   process_group=data_mesh(topology).get_group(), **kwargs)
+
+
+def zero1_state(model: nn.Module, zero: ZeroRedundancyOptimizer, create: bool = False) -> dict:
+    """This rank's share of optimizer state as {"state": {fqn: {name: tensor}}}.
+
+    The same shape DCP's get_optimizer_state_dict gives for DDP and FSDP (restricted to the
+    parameters this rank owns), so one checkpoint format serves every strategy. With
+    create=True, missing state is first made by a zero-gradient, zero-lr step.
+    """
+    if create and not zero.optim.state:
+        _initialise_state(zero)
+    names = {param: name.removeprefix("module.") for name, param in model.named_parameters()}
+    return {"state": {names[p]: zero.optim.state[p] for p in zero.optim.state}}
+
+
+def _initialise_state(zero: ZeroRedundancyOptimizer) -> None:
+    params = [p for group in zero.param_groups for p in group["params"]]
+    saved_lrs = [group["lr"] for group in zero.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in zero.param_groups:
+        group["lr"] = 0.0
+    zero.step()
+    for group, lr in zip(zero.param_groups, saved_lrs):
+        group["lr"] = lr
+    for p in params:
+        p.grad = None
