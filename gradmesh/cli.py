@@ -92,6 +92,11 @@ def build_parser() -> Parser:
     _add_launch_options(script)
     script.add_argument("script", metavar="SCRIPT.py")
     script.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...")
+    exporter = sub.add_parser("export", help="write one unsharded .safetensors file from a checkpoint",
+                              description="Export a checkpoint (any strategy, any world size) as one unsharded safetensors file.")
+    exporter.add_argument("run_dir", metavar="RUN_DIR")
+    exporter.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: the latest)")
+    exporter.add_argument("--out", required=True, metavar="FILE.safetensors")
     return parser
 
 
@@ -182,10 +187,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_workers(launch, nproc, [args.script, *args.script_args])
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from gradmesh.export import export
+
+    if not Path(args.run_dir).is_dir():
+        raise UsageError(f"run dir {args.run_dir!r} does not exist")
+    path, count = export(args.run_dir, args.out, args.step)
+    print(f"wrote {count} tensors from {path} to {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        code = {"train": cmd_train, "run": cmd_run}[args.command](args)
+        code = {"train": cmd_train, "run": cmd_run, "export": cmd_export}[args.command](args)
     except UsageError as err:
         print(f"gradmesh: error: {err}", file=sys.stderr)
         return EXIT_USAGE

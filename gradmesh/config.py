@@ -113,6 +113,8 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 disables."""
     seed: int = 0
     """Seed for model initialisation and the global sample order."""
+    log_every: int = 10
+    """Gather every rank's per-step figures every N steps (metrics.jsonl still gets every step)."""
     eval_every: int = 0
     """Evaluate every N steps (0: only at the end)."""
     eval_batches: int = 8
@@ -125,7 +127,7 @@ class TrainConfig:
     def __post_init__(self):
         _one_of("train", "strategy", self.strategy, STRATEGIES)
         _one_of("train", "optimizer", self.optimizer, OPTIMIZERS)
-        for name in ("global_batch_size", "grad_accum", "max_steps", "decay_steps", "eval_batches"):
+        for name in ("global_batch_size", "grad_accum", "max_steps", "decay_steps", "eval_batches", "log_every"):
             _positive("train", name, getattr(self, name))
         for name in ("warmup_steps", "eval_every", "sample_chars", "weight_decay", "grad_clip"):
             _positive("train", name, getattr(self, name), allow_zero=True)

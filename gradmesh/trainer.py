@@ -15,7 +15,6 @@ import math
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,9 +23,10 @@ import torch.nn as nn
 
 from gradmesh import rundir
 from gradmesh.config import CheckpointConfig, TrainConfig
-from gradmesh.data import GlobalBatch, GlobalOrderSampler, fetch
+from gradmesh.data import GlobalOrderSampler, fetch
 from gradmesh.fault import checkpoint
 from gradmesh.monitor.progress import TrainingProgress, print_summary
+from gradmesh.monitor.reporter import StepRecord, StepReporter
 from gradmesh.parallel import apply_strategy, build_optimizer, grad_sync, model_state_bytes
 from gradmesh.topology import Topology
 
@@ -98,21 +98,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-@dataclass
-class StepResult:
-    """One optimizer step whose global loss may still be on its way."""
-
-    batch: GlobalBatch
-    per_rank: list[torch.Tensor]
-    """Per rank: [sum of its samples' losses, model-state bytes, peak memory bytes]."""
-    work: dist.Work
-    lr: float = 0.0
-    step: int = 0
-    samples: int = 0
-    elapsed: float = 0.0
-    finished: float = field(default_factory=time.time)
-
-
 class Trainer:
     """Runs `train.max_steps` optimizer steps of `model` on `dataset` across the session's ranks."""
 
@@ -134,7 +119,9 @@ class Trainer:
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
         self.progress = TrainingProgress(self.train.max_steps, enabled=self.topo.is_main and not quiet)
         self.quiet = quiet
-        self.history: list[dict] = []
+        self.reporter = StepReporter(self.topo.world_size, self.topo.device, self.train.log_every,
+                                     self.run_dir / "metrics.jsonl" if self.run_dir and self.topo.is_main else None,
+                                     on_record=self._show)
         self.checkpointer = None
         if self.run_dir:
             self.checkpointer = checkpoint.Checkpointer(self.run_dir, self.train.strategy, self.checkpointing.keep,
@@ -159,7 +146,14 @@ class Trainer:
             return {k: self._to_device(v) for k, v in data.items()}
         return data
 
-    def _step(self, batch) -> "StepResult":
+    def _set_lr(self) -> float:
+        factor = lr_factor(self.sampler.step - 1, self.train)
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = base * factor
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _step(self, batch) -> torch.Tensor:
+        """One optimizer step; returns this rank's figures for the step reporter."""
         runs = self._micro_batches(batch)
         loss_sum = torch.zeros((), device=self.topo.device)
         for i, (indices, weight) in enumerate(runs):
@@ -171,21 +165,13 @@ class Trainer:
                 loss_sum += losses.detach().sum()
         if self.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
-        factor = lr_factor(self.sampler.step - 1, self.train)
-        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
-            group["lr"] = base * factor
         self.optimizer.step()
         # Measured here, where parameters, gradients and optimizer state all exist.
-        stats = torch.zeros(3, dtype=torch.float64, device=self.topo.device)
-        stats[0] = loss_sum
-        stats[1] = model_state_bytes(self.model, self.optimizer)
-        stats[2] = peak_memory_bytes(self.topo.device)
+        figures = torch.tensor([0.0, model_state_bytes(self.model, self.optimizer),
+                                peak_memory_bytes(self.topo.device)], dtype=torch.float64)
+        figures[0] = loss_sum.detach().to("cpu", torch.float64)
         self.optimizer.zero_grad(set_to_none=True)
-        # Every rank's loss and memory travel in the background and are read one step later: a
-        # blocking collective here would cost every step a round trip (~4% measured on CPU).
-        gathered = [torch.zeros_like(stats) for _ in range(self.topo.world_size)]
-        work = dist.all_gather(gathered, stats, async_op=True)
-        return StepResult(batch, gathered, work, lr=self.optimizer.param_groups[0]["lr"])
+        return figures
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -200,18 +186,15 @@ class Trainer:
         samples = self._samples_before(start_step)
         wall_start, train_time, loss = time.perf_counter(), 0.0, float("nan")
         records = self._open_rank_file("samples") if self.train.record_samples else None
-        previous = None
         for step in range(start_step + 1, self.train.max_steps + 1):
             batch = self.sampler.next_batch(self.topo.dp_rank, self.topo.dp_size, self.train.grad_accum)
             tic = time.perf_counter()
-            result = self._step(batch)
-            result.elapsed = time.perf_counter() - tic
-            train_time += result.elapsed
+            lr = self._set_lr()
+            figures = self._step(batch)
+            elapsed = time.perf_counter() - tic
+            train_time += elapsed
             samples += batch.size
-            result.step, result.samples = step, samples
-            if previous:
-                loss = self._log_step(previous)
-            previous = result
+            self.reporter.add(StepRecord(step, batch.epoch, batch.size, samples, lr, elapsed, figures))
             if records:
                 used = [i for m in batch.micro_batches for i in m]
                 records.write(json.dumps({"step": step, "epoch": batch.epoch, "indices": used}) + "\n")
@@ -219,8 +202,8 @@ class Trainer:
                 self._log_eval(step, self.evaluate())
             if self.checkpointing.every and step % self.checkpointing.every == 0:
                 self.save_checkpoint(step)
-        if previous:
-            loss = self._log_step(previous)
+        self.reporter.flush()
+        loss = self.history[-1]["loss"] if self.history else float("nan")
         if records:
             records.close()
         self.progress.close()
@@ -241,22 +224,13 @@ class Trainer:
         epochs, rest = divmod(step, self.sampler.batches_per_epoch)
         return epochs * self.sampler.dataset_len + rest * self.train.global_batch_size
 
-    def _log_step(self, result: "StepResult") -> float:
-        """Wait for a step's global loss, then record it (metrics.jsonl on rank 0, progress bar)."""
-        result.work.wait()
-        per_rank = torch.stack(result.per_rank).cpu()
-        loss = per_rank[:, 0].sum().item() / result.batch.size
-        record = {"step": result.step, "epoch": result.batch.epoch, "loss": loss, "lr": result.lr,
-                  "samples": result.samples, "step_time_s": result.elapsed,
-                  "samples_per_s": result.batch.size / result.elapsed, "time": result.finished,
-                  "model_state_bytes": [int(b) for b in per_rank[:, 1]],
-                  "peak_memory_bytes": [int(b) for b in per_rank[:, 2]]}
-        self.history.append(record)
-        if self.topo.is_main and self.run_dir:
-            with open(self.run_dir / "metrics.jsonl", "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-        self.progress.update(result.step, loss, record["samples_per_s"])
-        return loss
+    def _show(self, row: dict) -> None:
+        self.progress.update(row["step"], row["loss"], row["samples_per_s"])
+
+    @property
+    def history(self) -> list[dict]:
+        """Per-step records (as in metrics.jsonl) of this run, up to the last reported step."""
+        return self.reporter.history
 
     def _log_eval(self, step: int, metrics: dict) -> None:
         if metrics and self.topo.is_main:

@@ -1,6 +1,7 @@
 """What each worker of `gradmesh train` runs: `python -m gradmesh.worker RUN_DIR/config.toml`."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -63,6 +64,13 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cfg = configuration.build([configuration.load_toml(argv[0])])
     train(cfg)
+    # Leave without interpreter finalisation: process-group objects still referenced from
+    # Python (FSDP modules, the device mesh, the checkpoint group) were seen to abort the
+    # process in their C++ destructors at exit ("terminate called without an active
+    # exception"), turning a finished run into a failed one. All files are closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

