@@ -165,7 +165,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = resolve_config(args)
     _, nproc = _launch_shape(cfg.launch)
-    cfg.check_world(nproc * cfg.launch.nnodes)
+    from gradmesh.parallel import check_strategy, mesh_for
+
+    world = nproc * cfg.launch.nnodes
+    mesh = mesh_for(cfg.train.strategy, world)
+    cfg.check_world(mesh.get("dp", 1) * mesh.get("fsdp", 1))
+    check_strategy(cfg.train.strategy, cfg.model.name, cfg.model.n_head, cfg.model.n_embd, world)
     workloads.check_inputs(cfg)
     run_dir = rundir.ensure_writable(cfg.run.dir)
     if cfg.checkpoint.resume:

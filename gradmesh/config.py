@@ -17,7 +17,7 @@ import tomli_w
 from gradmesh.errors import UsageError
 
 MODELS = ("gpt-char", "mlp-digits")
-STRATEGIES = ("ddp", "zero1", "fsdp")
+STRATEGIES = ("ddp", "zero1", "fsdp", "tp")
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -88,7 +88,7 @@ class TrainConfig:
     """The optimisation: batch, optimizer, schedule, strategy."""
 
     strategy: str = "ddp"
-    """Parallelism strategy: ddp, zero1 (optimizer state sharded) or fsdp (everything sharded)."""
+    """Parallelism strategy: ddp, zero1 (optimizer state sharded), fsdp (everything sharded) or tp (tensor parallel)."""
     global_batch_size: int = 32
     """Samples per optimizer step summed over all ranks and micro-batches."""
     grad_accum: int = 1
@@ -200,13 +200,13 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
-    def check_world(self, world_size: int) -> None:
-        """Checks that need the number of ranks."""
-        per_step = world_size * self.train.grad_accum
+    def check_world(self, dp_size: int) -> None:
+        """Checks that need the number of data-parallel ranks (those that split each batch)."""
+        per_step = dp_size * self.train.grad_accum
         if self.train.global_batch_size % per_step:
             raise UsageError(
                 f"train.global_batch_size={self.train.global_batch_size} is not divisible by "
-                f"ranks x grad_accum = {world_size} x {self.train.grad_accum} = {per_step}; "
+                f"data-parallel ranks x grad_accum = {dp_size} x {self.train.grad_accum} = {per_step}; "
                 f"use a multiple of {per_step}"
             )
 

@@ -27,7 +27,7 @@ from gradmesh.data import GlobalOrderSampler, fetch
 from gradmesh.fault import checkpoint
 from gradmesh.monitor.progress import TrainingProgress, print_summary
 from gradmesh.monitor.reporter import StepRecord, StepReporter
-from gradmesh.parallel import apply_strategy, build_optimizer, grad_sync, model_state_bytes
+from gradmesh.parallel import apply_strategy, build_optimizer, clip_gradients, grad_sync, model_state_bytes
 from gradmesh.topology import Topology
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
@@ -119,7 +119,8 @@ class Trainer:
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
         self.progress = TrainingProgress(self.train.max_steps, enabled=self.topo.is_main and not quiet)
         self.quiet = quiet
-        self.reporter = StepReporter(self.topo.world_size, self.topo.device, self.train.log_every,
+        self.reporter = StepReporter(self.topo.world_size, self.topo.world_size // self.topo.dp_size,
+                                     self.train.log_every,
                                      self.run_dir / "metrics.jsonl" if self.run_dir and self.topo.is_main else None,
                                      on_record=self._show)
         self.checkpointer = None
@@ -164,7 +165,7 @@ class Trainer:
             if weight:
                 loss_sum += losses.detach().sum()
         if self.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
+            clip_gradients(self.model, self.train.grad_clip)
         self.optimizer.step()
         # Measured here, where parameters, gradients and optimizer state all exist.
         figures = torch.tensor([0.0, model_state_bytes(self.model, self.optimizer),

@@ -9,6 +9,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from gradmesh import config as configuration
 from gradmesh import workloads
+from gradmesh.parallel import mesh_for
 from gradmesh.trainer import Trainer, init
 
 
@@ -38,7 +39,8 @@ def run_info(cfg: configuration.Config) -> dict:
 
 
 def train(cfg: configuration.Config) -> dict:
-    session = init(device=cfg.launch.device, seed=cfg.train.seed)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    session = init(device=cfg.launch.device, seed=cfg.train.seed, mesh=mesh_for(cfg.train.strategy, world_size))
     if session.rank != 0:
         sys.stdout, sys.stderr = RankPrefixed(sys.stdout, session.rank), RankPrefixed(sys.stderr, session.rank)
     run_dir = Path(cfg.run.dir)

@@ -7,7 +7,7 @@ bound separates summation-order noise from real mistakes.
 
 import pytest
 
-from helpers import rel_l2, train, weights
+from helpers import references, rel_l2, train, weights
 
 TOLERANCE = 1e-5
 STEPS = ["--max-steps", "20", "--global-batch-size", "16"]
@@ -15,13 +15,7 @@ STEPS = ["--max-steps", "20", "--global-batch-size", "16"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Single-process runs, one per optimizer."""
-    runs = {}
-    for optimizer in ("adamw", "sgd"):
-        run_dir = tmp_path_factory.mktemp(f"ref-{optimizer}")
-        train(run_dir, 1, *STEPS, "--optimizer", optimizer)
-        runs[optimizer] = weights(run_dir)
-    return runs
+    return references(tmp_path_factory, "ref", *STEPS)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

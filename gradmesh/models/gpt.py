@@ -25,16 +25,20 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.head_dim = cfg.n_embd // cfg.n_head
+        # Separate projections (not nanoGPT's fused c_attn) so a tensor-parallel plan can split
+        # each of them by heads with a plain column split.
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, width = x.shape
-        q, k, v = self.c_attn(x).split(width, dim=2)
-        # -1 instead of n_head so a tensor-parallel plan that shards heads keeps working.
-        q, k, v = (t.view(batch, time, -1, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        batch, time, _ = x.shape
+        # -1 heads, not n_head: under tensor parallelism each rank holds a share of the heads.
+        q, k, v = (proj(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from gradmesh.errors import UsageError
 from gradmesh.parallel.data import apply_ddp, ddp_sync
 from gradmesh.parallel.sharded import apply_fsdp, fsdp_sync, zero1_optimizer, zero1_state
+from gradmesh.parallel.tensor import apply_tp, check_tp_degree, clip_grad_norm, has_mixed_gradients
 from gradmesh.topology import Topology
 
 
@@ -33,13 +34,33 @@ class Strategy:
     """(model, last_micro_batch) -> context for one micro-batch's backward."""
     sharded_optimizer: bool = False
     """Optimizer state split across data-parallel ranks by gradmesh (not by DTensor)."""
+    axis: str = "dp"
+    """The mesh axis the strategy spreads over when it runs alone."""
 
 
 STRATEGIES = {
     "ddp": Strategy("ddp", apply_ddp),
     "zero1": Strategy("zero1", apply_ddp, optimizer=zero1_optimizer, sharded_optimizer=True),
     "fsdp": Strategy("fsdp", apply_fsdp, sync=fsdp_sync),
+    "tp": Strategy("tp", apply_tp, axis="tp"),
 }
+
+
+def mesh_for(strategy: str, world_size: int) -> dict[str, int]:
+    return {get_strategy(strategy).axis: world_size}
+
+
+def check_strategy(strategy: str, model_name: str, n_head: int, n_embd: int, world_size: int) -> None:
+    """Strategy-specific checks that can run before any worker starts."""
+    if strategy == "tp":
+        check_tp_degree(model_name, n_head, n_embd, world_size)
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> None:
+    if has_mixed_gradients(model):
+        clip_grad_norm(list(model.parameters()), max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def get_strategy(name: str) -> Strategy:
@@ -108,5 +129,5 @@ def model_state_bytes(model: nn.Module, optimizer) -> int:
     return total
 
 
-__all__ = ["STRATEGIES", "Strategy", "apply_strategy", "build_optimizer", "unwrap", "grad_sync",
+__all__ = ["STRATEGIES", "Strategy", "mesh_for", "check_strategy", "clip_gradients", "apply_strategy", "build_optimizer", "unwrap", "grad_sync",
            "optimizer_state", "load_optimizer_state", "model_state_bytes"]

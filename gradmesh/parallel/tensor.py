@@ -1,0 +1,73 @@
+"""Tensor parallelism (Megatron-style) through DTensor's `parallelize_module`.
+
+The plan is data: for each model class, which submodules are split by output columns and
+which by input rows. Attention's q/k/v projections and the MLP's first layer are column-split
+(each rank computes a share of the heads / hidden units), the projections back to the residual
+stream are row-split (partial sums, all-reduced). Embeddings, layer norms and the head stay
+replicated; their gradients agree across tensor-parallel ranks because their inputs do.
+"""
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from gradmesh.errors import UsageError
+from gradmesh.topology import Topology
+
+# model class -> (blocks attribute, {submodule in a block: style})
+TP_PLANS = {
+    "GPT": ("h", {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
+                  "attn.c_proj": "rowwise", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}),
+}
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def check_tp_degree(model_name: str, n_head: int, n_embd: int, degree: int) -> None:
+    """Before launch: the plan splits heads and the 4*n_embd hidden layer evenly."""
+    if model_name != "gpt-char":
+        raise UsageError(f"tensor parallelism has a plan for gpt-char only, not {model_name!r}")
+    if n_head % degree:
+        raise UsageError(f"tensor-parallel degree {degree} does not divide model.n_head={n_head}; "
+                         f"use a degree dividing {n_head}")
+    if (4 * n_embd) % degree or n_embd % degree:
+        raise UsageError(f"tensor-parallel degree {degree} does not divide model.n_embd={n_embd}")
+
+
+def apply_tp(model: nn.Module, topology: Topology) -> nn.Module:
+    name = type(model).__name__
+    if name not in TP_PLANS:
+        raise UsageError(f"no tensor-parallel plan for {name}; known: {', '.join(TP_PLANS)}")
+    blocks_attr, block_plan = TP_PLANS[name]
+    model.to(topology.device)
+    mesh = topology.mesh["tp"]
+    for block in getattr(model, blocks_attr):
+        parallelize_module(block, mesh, {path: STYLES[style]() for path, style in block_plan.items()})
+    return model
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Global gradient-norm clipping over a mix of DTensor and plain gradients.
+
+    torch's clip_grad_norm_ stacks per-parameter norms and cannot mix the two kinds; here a
+    DTensor's norm is reduced over its mesh (whatever its placements) and plain tensors count
+    once, as replicated values do.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = []
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coef.item() if isinstance(grad, DTensor) else coef)
+    return total
+
+
+def has_mixed_gradients(model: nn.Module) -> bool:
+    kinds = {isinstance(p, DTensor) for p in model.parameters()}
+    return len(kinds) > 1
+
+
+__all__ = ["TP_PLANS", "apply_tp", "check_tp_degree", "clip_grad_norm", "has_mixed_gradients"]
