@@ -5,6 +5,7 @@ and what is accepted, and exits with code 2.
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from gradmesh.fault import checkpoint
 
 # Command-line flag -> config key. Flags left out stay None and do not override.
 FLAG_KEYS = {
-    "model": "model.name", "data": "data.path", "strategy": "train.strategy",
+    "model": "model.name", "data": "data.path", "strategy": "train.strategy", "mesh": "train.mesh",
     "global_batch_size": "train.global_batch_size", "grad_accum": "train.grad_accum",
     "optimizer": "train.optimizer", "lr": "train.lr", "max_steps": "train.max_steps",
     "seed": "train.seed", "eval_every": "train.eval_every", "record_samples": "train.record_samples",
@@ -71,6 +72,7 @@ def build_parser() -> Parser:
     what.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key, e.g. model.n_layer=8 (repeatable)")
     how = train.add_argument_group("how to train")
     how.add_argument("--strategy", choices=configuration.STRATEGIES, help="parallelism (default ddp)")
+    how.add_argument("--mesh", metavar="AXIS=N,...", help="compose strategies on a named mesh: dp=2,tp=2 or fsdp=2,tp=2")
     how.add_argument("--global-batch-size", type=int, metavar="B", help="samples per optimizer step over all ranks (default 32)")
     how.add_argument("--grad-accum", type=int, metavar="K", help="micro-batches per rank per step (default 1)")
     how.add_argument("--optimizer", choices=configuration.OPTIMIZERS, help="default adamw")
@@ -168,9 +170,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gradmesh.parallel import check_strategy, mesh_for
 
     world = nproc * cfg.launch.nnodes
-    mesh = mesh_for(cfg.train.strategy, world)
+    mesh = mesh_for(cfg.train.strategy, world, cfg.train.mesh)
+    product = math.prod(mesh.values())
+    if product != world:
+        raise UsageError(f"--mesh {cfg.train.mesh!r} spans {product} ranks but the job has {world} "
+                         f"({nproc} per node x {cfg.launch.nnodes} nodes); make the product {world}")
     cfg.check_world(mesh.get("dp", 1) * mesh.get("fsdp", 1))
-    check_strategy(cfg.train.strategy, cfg.model.name, cfg.model.n_head, cfg.model.n_embd, world)
+    check_strategy("tp" if "tp" in mesh else cfg.train.strategy, cfg.model.name, cfg.model.n_head,
+                   cfg.model.n_embd, mesh.get("tp", world))
     workloads.check_inputs(cfg)
     run_dir = rundir.ensure_writable(cfg.run.dir)
     if cfg.checkpoint.resume:

@@ -89,6 +89,8 @@ class TrainConfig:
 
     strategy: str = "ddp"
     """Parallelism strategy: ddp, zero1 (optimizer state sharded), fsdp (everything sharded) or tp (tensor parallel)."""
+    mesh: str = ""
+    """Named device mesh composing strategies, e.g. "dp=2,tp=2" or "fsdp=2,tp=2" (empty: the strategy alone)."""
     global_batch_size: int = 32
     """Samples per optimizer step summed over all ranks and micro-batches."""
     grad_accum: int = 1

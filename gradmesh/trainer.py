@@ -27,7 +27,8 @@ from gradmesh.data import GlobalOrderSampler, fetch
 from gradmesh.fault import checkpoint
 from gradmesh.monitor.progress import TrainingProgress, print_summary
 from gradmesh.monitor.reporter import StepRecord, StepReporter
-from gradmesh.parallel import apply_strategy, build_optimizer, clip_gradients, grad_sync, model_state_bytes
+from gradmesh.parallel import (apply_strategy, build_optimizer, clip_gradients, grad_sync, model_state_bytes,
+                               resolve_strategy)
 from gradmesh.topology import Topology
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
@@ -52,7 +53,7 @@ class Session:
     def device(self) -> torch.device:
         return self.topology.device
 
-    def prepare(self, model: nn.Module, strategy: str = "ddp") -> nn.Module:
+    def prepare(self, model: nn.Module, strategy="ddp") -> nn.Module:
         """Apply a strategy to a plain model (moves it to this rank's device)."""
         return apply_strategy(model, self.topology, strategy)
 
@@ -112,9 +113,10 @@ class Trainer:
         self.loss_fn, self.dataset, self.eval_fn = loss_fn, dataset, eval_fn
         self.run_dir = Path(run_dir) if run_dir else None
         self.run_info = run_info or {}
-        self.model = session.prepare(model, self.train.strategy)
+        self.strategy = resolve_strategy(self.train.strategy, self.topo)
+        self.model = session.prepare(model, self.strategy)
         optimizer_class, kwargs = optimizer or optimizer_spec(self.train)
-        self.optimizer = build_optimizer(self.model, self.topo, self.train.strategy, optimizer_class, kwargs)
+        self.optimizer = build_optimizer(self.model, self.topo, self.strategy, optimizer_class, kwargs)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
         self.progress = TrainingProgress(self.train.max_steps, enabled=self.topo.is_main and not quiet)
@@ -125,7 +127,7 @@ class Trainer:
                                      on_record=self._show)
         self.checkpointer = None
         if self.run_dir:
-            self.checkpointer = checkpoint.Checkpointer(self.run_dir, self.train.strategy, self.checkpointing.keep,
+            self.checkpointer = checkpoint.Checkpointer(self.run_dir, self.strategy, self.checkpointing.keep,
                                                         self.checkpointing.async_save)
 
     # -- one optimizer step -------------------------------------------------------------------
@@ -159,7 +161,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.topo.device)
         for i, (indices, weight) in enumerate(runs):
             data = self._to_device(fetch(self.dataset, indices))
-            with grad_sync(self.model, self.train.strategy, last_micro_batch=i == len(runs) - 1):
+            with grad_sync(self.model, self.strategy, last_micro_batch=i == len(runs) - 1):
                 losses = self.loss_fn(self.model, data)
                 (losses.sum() * weight).backward()
             if weight:
@@ -248,7 +250,7 @@ class Trainer:
         if self.checkpointer is None:
             return
         state = {"step": step, "sampler": self.sampler.state_dict(), "world_size": self.topo.world_size,
-                 "strategy": self.train.strategy, "run": self.run_info}
+                 "strategy": self.strategy.name, "run": self.run_info}
         self.checkpointer.save(step, self.model, self.optimizer, state)
 
     def _maybe_resume(self) -> int:
@@ -285,7 +287,7 @@ class Trainer:
             "wall_s": wall, "train_s": train_time,
             "samples_per_s": (samples - self._samples_before(start_step)) / train_time if train_time else 0.0,
             "final_loss": loss, "eval": eval_metrics, "world_size": self.topo.world_size,
-            "strategy": self.train.strategy, "peak_memory_bytes": [int(t.item()) for t in gathered],
+            "strategy": self.strategy.name, "peak_memory_bytes": [int(t.item()) for t in gathered],
             "model_state_bytes": self.history[-1]["model_state_bytes"] if self.history else [],
             "run_dir": str(self.run_dir) if self.run_dir else "", **self.run_info,
         }

@@ -40,7 +40,7 @@ def run_info(cfg: configuration.Config) -> dict:
 
 def train(cfg: configuration.Config) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    session = init(device=cfg.launch.device, seed=cfg.train.seed, mesh=mesh_for(cfg.train.strategy, world_size))
+    session = init(device=cfg.launch.device, seed=cfg.train.seed, mesh=mesh_for(cfg.train.strategy, world_size, cfg.train.mesh))
     if session.rank != 0:
         sys.stdout, sys.stderr = RankPrefixed(sys.stdout, session.rank), RankPrefixed(sys.stderr, session.rank)
     run_dir = Path(cfg.run.dir)

@@ -71,9 +71,9 @@ def summary_table(summary: dict) -> Table:
         ("final train loss", f"{summary['final_loss']:.4f}"),
     ]
     rows += [(f"eval {k}", f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary.get("eval", {}).items()]
-    peaks = summary.get("peak_memory_bytes", [])
-    if peaks:
-        rows.append(("peak memory / rank", ", ".join(_fmt_bytes(p) for p in peaks)))
+    for key, label in (("model_state_bytes", "model state / rank"), ("peak_memory_bytes", "peak memory / rank")):
+        if summary.get(key):
+            rows.append((label, ", ".join(_fmt_bytes(b) for b in summary[key])))
     rows.append(("run dir", summary["run_dir"]))
     for name, value in rows:
         table.add_row(name, str(value))

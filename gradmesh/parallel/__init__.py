@@ -46,8 +46,20 @@ STRATEGIES = {
 }
 
 
-def mesh_for(strategy: str, world_size: int) -> dict[str, int]:
+def mesh_for(strategy: str, world_size: int, mesh: str = "") -> dict[str, int]:
+    """The named mesh: `--mesh` when given, else the strategy's own axis over every rank."""
+    if mesh:
+        from gradmesh.parallel.compose import parse_mesh
+
+        return parse_mesh(mesh)
     return {get_strategy(strategy).axis: world_size}
+
+
+def _several_meshes(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    meshes = {id(p.device_mesh) for p in model.parameters() if isinstance(p, DTensor)}
+    return len(meshes) > 1
 
 
 def check_strategy(strategy: str, model_name: str, n_head: int, n_embd: int, world_size: int) -> None:
@@ -57,19 +69,33 @@ def check_strategy(strategy: str, model_name: str, n_head: int, n_embd: int, wor
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> None:
-    if has_mixed_gradients(model):
+    if has_mixed_gradients(model) or _several_meshes(model):
         clip_grad_norm(list(model.parameters()), max_norm)
     else:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def get_strategy(name: str) -> Strategy:
+def resolve_strategy(name: str, topology: Topology) -> Strategy:
+    """The strategy named, or the composition its mesh describes when it has several axes."""
+    strategy = get_strategy(name)
+    if set(topology.mesh_shape) == {strategy.axis}:
+        return strategy
+    from gradmesh.parallel.compose import composed
+
+    wrap, sync = composed(topology)
+    label = ",".join(f"{axis}={size}" for axis, size in topology.mesh_shape.items())
+    return Strategy(label, wrap, sync=sync, axis="")
+
+
+def get_strategy(name: "str | Strategy") -> Strategy:
+    if isinstance(name, Strategy):
+        return name
     if name not in STRATEGIES:
         raise UsageError(f"strategy {name!r} is not one of {', '.join(STRATEGIES)}")
     return STRATEGIES[name]
 
 
-def apply_strategy(model: nn.Module, topology: Topology, strategy: str) -> nn.Module:
+def apply_strategy(model: nn.Module, topology: Topology, strategy: "str | Strategy") -> nn.Module:
     return get_strategy(strategy).wrap(model, topology)
 
 
@@ -129,5 +155,5 @@ def model_state_bytes(model: nn.Module, optimizer) -> int:
     return total
 
 
-__all__ = ["STRATEGIES", "Strategy", "mesh_for", "check_strategy", "clip_gradients", "apply_strategy", "build_optimizer", "unwrap", "grad_sync",
+__all__ = ["STRATEGIES", "Strategy", "resolve_strategy", "mesh_for", "check_strategy", "clip_gradients", "apply_strategy", "build_optimizer", "unwrap", "grad_sync",
            "optimizer_state", "load_optimizer_state", "model_state_bytes"]
