@@ -218,12 +218,6 @@ class Config:
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
 
-    def replace(self, section: str, **values) -> "Config":
-        """A copy with fields of one section replaced (validated again)."""
-        sections = {s: getattr(self, s) for s in SECTIONS}
-        sections[section] = dataclasses.replace(sections[section], **values)
-        return Config(**sections)
-
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 

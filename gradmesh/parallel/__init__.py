@@ -103,11 +103,6 @@ def build_optimizer(model: nn.Module, topology: Topology, strategy: str, optimiz
     return get_strategy(strategy).optimizer(list(model.parameters()), topology, optimizer_class, **kwargs)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's plain module inside a DDP wrapper (FSDP2 modifies the model in place)."""
-    return getattr(model, "module", model)
-
-
 def grad_sync(model: nn.Module, strategy: str, last_micro_batch: bool):
     return get_strategy(strategy).sync(model, last_micro_batch)
 
@@ -155,5 +150,5 @@ def model_state_bytes(model: nn.Module, optimizer) -> int:
     return total
 
 
-__all__ = ["STRATEGIES", "Strategy", "resolve_strategy", "mesh_for", "check_strategy", "clip_gradients", "apply_strategy", "build_optimizer", "unwrap", "grad_sync",
+__all__ = ["STRATEGIES", "Strategy", "resolve_strategy", "mesh_for", "check_strategy", "clip_gradients", "apply_strategy", "build_optimizer", "grad_sync",
            "optimizer_state", "load_optimizer_state", "model_state_bytes"]
