@@ -17,6 +17,7 @@ from gradmesh.fault import checkpoint
 # Command-line flag -> config key. Flags left out stay None and do not override.
 FLAG_KEYS = {
     "model": "model.name", "data": "data.path", "strategy": "train.strategy", "mesh": "train.mesh",
+    "pp_schedule": "train.pp_schedule", "microbatches": "train.microbatches", "pp_split": "train.pp_split",
     "global_batch_size": "train.global_batch_size", "grad_accum": "train.grad_accum",
     "optimizer": "train.optimizer", "lr": "train.lr", "max_steps": "train.max_steps",
     "seed": "train.seed", "eval_every": "train.eval_every", "record_samples": "train.record_samples",
@@ -64,7 +65,8 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
 
     train = sub.add_parser("train", help="train a built-in model on N workers",
-                           description="Train a built-in workload on N workers (data parallel).")
+                           description="Train a built-in workload on N workers: data parallel, sharded, "
+                                       "tensor or pipeline parallel, or composed on a mesh.")
     what = train.add_argument_group("what to train")
     what.add_argument("--model", choices=configuration.MODELS, help="built-in model (default gpt-char)")
     what.add_argument("--data", metavar="PATH", help="UTF-8 text file or folder for gpt-char (default: Python's stdlib source)")
@@ -72,7 +74,10 @@ def build_parser() -> Parser:
     what.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key, e.g. model.n_layer=8 (repeatable)")
     how = train.add_argument_group("how to train")
     how.add_argument("--strategy", choices=configuration.STRATEGIES, help="parallelism (default ddp)")
-    how.add_argument("--mesh", metavar="AXIS=N,...", help="compose strategies on a named mesh: dp=2,tp=2 or fsdp=2,tp=2")
+    how.add_argument("--mesh", metavar="AXIS=N,...", help="compose strategies on a named mesh: dp=2,tp=2, fsdp=2,tp=2 or dp=2,pp=2")
+    how.add_argument("--pp-schedule", choices=configuration.PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
+    how.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per pipeline step (default 4)")
+    how.add_argument("--pp-split", metavar="UNIT,...", help="manual pipeline cut, e.g. h.2 (default: balanced by measured cost)")
     how.add_argument("--global-batch-size", type=int, metavar="B", help="samples per optimizer step over all ranks (default 32)")
     how.add_argument("--grad-accum", type=int, metavar="K", help="micro-batches per rank per step (default 1)")
     how.add_argument("--optimizer", choices=configuration.OPTIMIZERS, help="default adamw")
@@ -155,6 +160,16 @@ def _check_resume(cfg: configuration.Config, run_dir: Path) -> None:
         raise UsageError(f"--resume: config incompatible with {latest}: " + "; ".join(diffs))
 
 
+def _check_pipeline(cfg: configuration.Config, mesh: dict[str, int]) -> None:
+    from gradmesh import workloads
+    from gradmesh.parallel.pipeline import check_pipeline
+
+    train = cfg.train
+    check_pipeline(workloads.meta_model(cfg), schedule=train.pp_schedule, microbatches=train.microbatches,
+                   split=train.split_points, pp=mesh["pp"], grad_accum=train.grad_accum,
+                   local_batch=train.global_batch_size // mesh.get("dp", 1))
+
+
 def _start_fresh(run_dir: Path, quiet: bool) -> None:
     if rundir.clear_previous_run(run_dir) and not quiet:
         print(f"gradmesh: starting a fresh run in {run_dir} (the previous run's files were replaced; "
@@ -178,6 +193,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg.check_world(mesh.get("dp", 1) * mesh.get("fsdp", 1))
     check_strategy("tp" if "tp" in mesh else cfg.train.strategy, cfg.model.name, cfg.model.n_head,
                    cfg.model.n_embd, mesh.get("tp", world))
+    if "pp" in mesh:
+        _check_pipeline(cfg, mesh)
     workloads.check_inputs(cfg)
     run_dir = rundir.ensure_writable(cfg.run.dir)
     if cfg.checkpoint.resume:

@@ -17,7 +17,8 @@ import tomli_w
 from gradmesh.errors import UsageError
 
 MODELS = ("gpt-char", "mlp-digits")
-STRATEGIES = ("ddp", "zero1", "fsdp", "tp")
+STRATEGIES = ("ddp", "zero1", "fsdp", "tp", "pipeline")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -88,9 +89,15 @@ class TrainConfig:
     """The optimisation: batch, optimizer, schedule, strategy."""
 
     strategy: str = "ddp"
-    """Parallelism strategy: ddp, zero1 (optimizer state sharded), fsdp (everything sharded) or tp (tensor parallel)."""
+    """Parallelism strategy: ddp, zero1 (optimizer state sharded), fsdp (everything sharded), tp (tensor parallel) or pipeline."""
     mesh: str = ""
-    """Named device mesh composing strategies, e.g. "dp=2,tp=2" or "fsdp=2,tp=2" (empty: the strategy alone)."""
+    """Named device mesh composing strategies, e.g. "dp=2,tp=2", "fsdp=2,tp=2" or "dp=2,pp=2" (empty: the strategy alone)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b or interleaved (1F1B with two stages per rank)."""
+    microbatches: int = 4
+    """Micro-batches each pipeline cuts its share of a batch into."""
+    pp_split: str = ""
+    """Manual pipeline cut: comma-separated units that begin stages 1, 2, ... e.g. "h.2" (empty: balanced by measured cost)."""
     global_batch_size: int = 32
     """Samples per optimizer step summed over all ranks and micro-batches."""
     grad_accum: int = 1
@@ -129,12 +136,17 @@ class TrainConfig:
     def __post_init__(self):
         _one_of("train", "strategy", self.strategy, STRATEGIES)
         _one_of("train", "optimizer", self.optimizer, OPTIMIZERS)
-        for name in ("global_batch_size", "grad_accum", "max_steps", "decay_steps", "eval_batches", "log_every"):
+        _one_of("train", "pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        for name in ("global_batch_size", "grad_accum", "microbatches", "max_steps", "decay_steps", "eval_batches", "log_every"):
             _positive("train", name, getattr(self, name))
         for name in ("warmup_steps", "eval_every", "sample_chars", "weight_decay", "grad_clip"):
             _positive("train", name, getattr(self, name), allow_zero=True)
         if self.lr <= 0 or self.min_lr < 0:
             raise UsageError(f"train.lr must be > 0 and train.min_lr >= 0, got {self.lr}, {self.min_lr}")
+
+    @property
+    def split_points(self) -> tuple[str, ...]:
+        return tuple(part.strip() for part in self.pp_split.split(",") if part.strip())
 
 
 @dataclass(kw_only=True)

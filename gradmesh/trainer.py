@@ -4,7 +4,8 @@
     trainer = gradmesh.Trainer(session, model, per_sample_loss, dataset, train=TrainConfig(...))
     trainer.fit()                                   # global-order batches, DDP, checkpoints, metrics
 
-The loss function returns one loss per sample. The trainer weights every sample by
+The loss function returns one loss per sample. Pipeline parallelism also needs the loss split
+from the model, `criterion(output, target) -> per-sample losses`, with batches (inputs, target). The trainer weights every sample by
 1 / (samples in its global batch) and multiplies by the data-parallel degree, which the
 strategy's gradient average divides out again: the gradient is exactly the mean over the global
 batch, whatever the world size, the number of micro-batches, or a short last batch of an epoch.
@@ -25,10 +26,12 @@ from gradmesh import rundir
 from gradmesh.config import CheckpointConfig, TrainConfig
 from gradmesh.data import GlobalOrderSampler, fetch
 from gradmesh.fault import checkpoint
-from gradmesh.monitor.progress import TrainingProgress, print_summary
+from gradmesh.errors import UsageError
+from gradmesh.monitor.progress import TrainingProgress, print_pipeline_plan, print_summary
 from gradmesh.monitor.reporter import StepRecord, StepReporter
 from gradmesh.parallel import (apply_strategy, build_optimizer, clip_gradients, grad_sync, model_state_bytes,
                                resolve_strategy)
+from gradmesh.parallel.pipeline import PipelineOptions, padded_rows
 from gradmesh.topology import Topology
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
@@ -106,22 +109,27 @@ class Trainer:
                  train: TrainConfig | None = None, checkpointing: CheckpointConfig | None = None,
                  optimizer: OptimizerSpec | None = None, run_dir: str | Path | None = None,
                  eval_fn: Callable[[nn.Module], dict] | None = None, quiet: bool = False,
-                 run_info: dict | None = None):
+                 run_info: dict | None = None, criterion: Callable | None = None):
         self.session, self.topo = session, session.topology
         self.train = train or TrainConfig()
         self.checkpointing = checkpointing or CheckpointConfig()
         self.loss_fn, self.dataset, self.eval_fn = loss_fn, dataset, eval_fn
         self.run_dir = Path(run_dir) if run_dir else None
         self.run_info = run_info or {}
-        self.strategy = resolve_strategy(self.train.strategy, self.topo)
-        self.model = session.prepare(model, self.strategy)
         optimizer_class, kwargs = optimizer or optimizer_spec(self.train)
+        pipeline_options = self._pipeline_options(criterion, optimizer_class, kwargs)
+        self.strategy = resolve_strategy(self.train.strategy, self.topo, pipeline_options)
+        self.model = session.prepare(model, self.strategy)
+        self.pipeline = getattr(self.model, "pipeline", None)
         self.optimizer = build_optimizer(self.model, self.topo, self.strategy, optimizer_class, kwargs)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
         self.progress = TrainingProgress(self.train.max_steps, enabled=self.topo.is_main and not quiet)
         self.quiet = quiet
-        self.reporter = StepReporter(self.topo.world_size, self.topo.world_size // self.topo.dp_size,
+        # Ranks holding the same loss (tensor parallel) count it once; pipeline stages other
+        # than the last report none.
+        replicas = self.topo.world_size // self.topo.dp_size // self.topo.mesh_shape.get("pp", 1)
+        self.reporter = StepReporter(self.topo.world_size, replicas,
                                      self.train.log_every,
                                      self.run_dir / "metrics.jsonl" if self.run_dir and self.topo.is_main else None,
                                      on_record=self._show)
@@ -129,6 +137,20 @@ class Trainer:
         if self.run_dir:
             self.checkpointer = checkpoint.Checkpointer(self.run_dir, self.strategy, self.checkpointing.keep,
                                                         self.checkpointing.async_save)
+
+    def _pipeline_options(self, criterion, optimizer_class, kwargs) -> PipelineOptions | None:
+        if "pp" not in self.topo.mesh_shape:
+            return None
+        if criterion is None:
+            raise UsageError("pipeline parallelism needs Trainer(..., criterion=fn) with fn(output, target) -> "
+                             "per-sample losses: the last stage computes the loss, not the model")
+        train = self.train
+        self._pipeline_rows = padded_rows(train.global_batch_size // self.topo.dp_size, train.microbatches)
+        rows = self._pipeline_rows // train.microbatches
+        slots = 2 if issubclass(optimizer_class, (torch.optim.Adam, torch.optim.AdamW)) else int(kwargs.get("momentum", 0) > 0)
+        return PipelineOptions(criterion, schedule=train.pp_schedule, microbatches=train.microbatches,
+                               split=train.split_points, optimizer_slots=slots,
+                               example=self._to_device(fetch(self.dataset, list(range(rows)))))
 
     # -- one optimizer step -------------------------------------------------------------------
 
@@ -155,8 +177,8 @@ class Trainer:
             group["lr"] = base * factor
         return self.optimizer.param_groups[0]["lr"]
 
-    def _step(self, batch) -> torch.Tensor:
-        """One optimizer step; returns this rank's figures for the step reporter."""
+    def _forward_backward(self, batch) -> torch.Tensor:
+        """Gradients of one global batch's share; returns the share's loss sum."""
         runs = self._micro_batches(batch)
         loss_sum = torch.zeros((), device=self.topo.device)
         for i, (indices, weight) in enumerate(runs):
@@ -166,6 +188,23 @@ class Trainer:
                 (losses.sum() * weight).backward()
             if weight:
                 loss_sum += losses.detach().sum()
+        return loss_sum
+
+    def _pipeline_forward_backward(self, batch) -> torch.Tensor:
+        """The share padded to a fixed size with weight-0 samples, run by the pipeline schedule."""
+        indices = [i for m in batch.micro_batches for i in m]
+        pad = self._pipeline_rows - len(indices)
+        weights = torch.tensor([self.topo.dp_size / batch.size] * len(indices) + [0.0] * pad, device=self.topo.device)
+        inputs, targets = self._to_device(fetch(self.dataset, indices + [batch.indices[0]] * pad))
+        with grad_sync(self.model, self.strategy, last_micro_batch=True):
+            return torch.tensor(self.pipeline.step(inputs, targets, weights))
+
+    def _step(self, batch) -> torch.Tensor:
+        """One optimizer step; returns this rank's figures for the step reporter."""
+        if self.pipeline:
+            loss_sum = self._pipeline_forward_backward(batch)
+        else:
+            loss_sum = self._forward_backward(batch)
         if self.train.grad_clip:
             clip_gradients(self.model, self.train.grad_clip)
         self.optimizer.step()
@@ -183,6 +222,10 @@ class Trainer:
             rundir.ensure_writable(self.run_dir)
             if not self.checkpointing.resume:
                 rundir.clear_previous_run(self.run_dir)
+            if self.pipeline:
+                (self.run_dir / "pipeline.json").write_text(json.dumps(self.pipeline.plan, indent=1))
+        if self.pipeline and self.topo.is_main and not self.quiet:
+            print_pipeline_plan(self.pipeline.plan)
         dist.barrier()
         start_step = self._maybe_resume()
         self.progress.start = start_step
@@ -215,11 +258,12 @@ class Trainer:
     def evaluate(self) -> dict:
         if self.eval_fn is None:
             return {}
-        was_training = self.model.training
-        self.model.eval()
+        model = self.pipeline.full_model() if self.pipeline else self.model
+        was_training = model.training
+        model.eval()
         with torch.no_grad():
-            metrics = self.eval_fn(self.model)
-        self.model.train(was_training)
+            metrics = self.eval_fn(model)
+        model.train(was_training)
         return metrics
 
     def _samples_before(self, step: int) -> int:
@@ -278,7 +322,10 @@ class Trainer:
             self.save_checkpoint(self.train.max_steps)
         if self.checkpointer:
             self.checkpointer.wait()
-        weights = checkpoint.full_model_state(self.model)
+        if self.pipeline:
+            weights = {k: v.cpu() for k, v in self.pipeline.full_model().state_dict().items()}
+        else:
+            weights = checkpoint.full_model_state(self.model)
         peaks = torch.tensor([peak_memory_bytes(self.topo.device)], dtype=torch.int64, device=self.topo.device)
         gathered = [torch.zeros_like(peaks) for _ in range(self.topo.world_size)]
         dist.all_gather(gathered, peaks)

@@ -23,6 +23,8 @@ class Workload:
     loss_fn: Callable
     train_data: torch.utils.data.Dataset
     eval_fn: Callable[[nn.Module], dict]
+    criterion: Callable | None = None
+    """(model output, targets) -> one loss per sample: what a pipeline's last stage computes."""
     finish: Callable[[dict], str | None] = lambda weights: None
     """Given the final full weights on rank 0, a text to show (gpt-char: a generated sample)."""
     info: dict = field(default_factory=dict)
@@ -76,7 +78,7 @@ def gpt_char(cfg: Config, device: torch.device) -> Workload:
 
     info = {"vocab": vocab.chars, "corpus_chars": len(text), "train_samples": len(train),
             "eval_samples": len(held_out)}
-    return Workload(model, gpt.per_sample_loss, train, evaluate, sample, info)
+    return Workload(model, gpt.per_sample_loss, train, evaluate, gpt.sample_losses, sample, info)
 
 
 def mlp_digits(cfg: Config, device: torch.device) -> Workload:
@@ -92,7 +94,7 @@ def mlp_digits(cfg: Config, device: torch.device) -> Workload:
         return _mean_eval(net, held_out, batches, mlp.per_sample_loss, device, correct)
 
     info = {"train_samples": len(train), "eval_samples": len(held_out)}
-    return Workload(model, mlp.per_sample_loss, train, evaluate, info=info)
+    return Workload(model, mlp.per_sample_loss, train, evaluate, mlp.sample_losses, info=info)
 
 
 BUILDERS = {"gpt-char": gpt_char, "mlp-digits": mlp_digits}
@@ -102,18 +104,20 @@ def build(cfg: Config, device: torch.device) -> Workload:
     return BUILDERS[cfg.model.name](cfg, device)
 
 
-def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of the configured model, built on the meta device (no memory, no data)."""
-    if cfg.model.name == "gpt-char":
-        vocab = CharVocab.of(load_text(cfg.data.path, cfg.data.max_chars))
-        with torch.device("meta"):
-            model = gpt.GPT(gpt.GPTConfig(
+def meta_model(cfg: Config) -> nn.Module:
+    """The configured model on the meta device (no memory, no data): for checks before launch."""
+    with torch.device("meta"):
+        if cfg.model.name == "gpt-char":
+            vocab = CharVocab.of(load_text(cfg.data.path, cfg.data.max_chars))
+            return gpt.GPT(gpt.GPTConfig(
                 vocab_size=len(vocab.chars), block_size=cfg.model.block_size, n_layer=cfg.model.n_layer,
                 n_head=cfg.model.n_head, n_embd=cfg.model.n_embd, bias=cfg.model.bias))
-    else:
-        with torch.device("meta"):
-            model = mlp.MLP(hidden=cfg.model.hidden)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        return mlp.MLP(hidden=cfg.model.hidden)
+
+
+def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of the configured model."""
+    return {name: tuple(t.shape) for name, t in meta_model(cfg).state_dict().items()}
 
 
 def check_inputs(cfg: Config) -> None:

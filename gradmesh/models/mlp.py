@@ -18,6 +18,10 @@ class MLP(nn.Module):
         return self.layers(x)
 
 
+def sample_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, labels, reduction="none")
+
+
 def per_sample_loss(model: nn.Module, batch) -> torch.Tensor:
     features, labels = batch
-    return F.cross_entropy(model(features), labels, reduction="none")
+    return sample_losses(model(features), labels)

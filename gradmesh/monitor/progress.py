@@ -87,3 +87,17 @@ def print_summary(summary: dict, sample: str | None = None) -> None:
         console.rule("generated sample")
         console.print(sample, markup=False, highlight=False)
         console.rule()
+
+
+def print_pipeline_plan(plan: dict) -> None:
+    """The cut a pipeline runs with: which units each stage holds and its measured share."""
+    table = Table(title=f"pipeline: {plan['schedule']}, {plan['microbatches']} micro-batches, {plan['cut']} cut",
+                  header_style="bold")
+    for column in ("stage", "rank", "units", "fwd+bwd ms", "memory", "load"):
+        table.add_column(column, justify="left" if column == "units" else "right")
+    for stage in plan["stages"]:
+        units = stage["units"]
+        shown = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
+        table.add_row(str(stage["stage"]), str(stage["rank"]), shown, f"{stage['seconds'] * 1e3:.2f}",
+                      _fmt_bytes(stage["bytes"]), f"{stage['load']:.2f}")
+    Console(file=sys.stdout).print(table)

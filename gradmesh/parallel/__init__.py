@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from gradmesh.errors import UsageError
 from gradmesh.parallel.data import apply_ddp, ddp_sync
+from gradmesh.parallel.pipeline import PipelineOptions, apply_pipeline
 from gradmesh.parallel.sharded import apply_fsdp, fsdp_sync, zero1_optimizer, zero1_state
 from gradmesh.parallel.tensor import apply_tp, check_tp_degree, clip_grad_norm, has_mixed_gradients
 from gradmesh.topology import Topology
@@ -43,6 +44,8 @@ STRATEGIES = {
     "zero1": Strategy("zero1", apply_ddp, optimizer=zero1_optimizer, sharded_optimizer=True),
     "fsdp": Strategy("fsdp", apply_fsdp, sync=fsdp_sync),
     "tp": Strategy("tp", apply_tp, axis="tp"),
+    # Needs the criterion and micro-batch options only the Trainer has: see resolve_strategy.
+    "pipeline": Strategy("pipeline", lambda model, topo: apply_pipeline(model, topo, None), axis="pp"),
 }
 
 
@@ -69,21 +72,25 @@ def check_strategy(strategy: str, model_name: str, n_head: int, n_embd: int, wor
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> None:
-    if has_mixed_gradients(model) or _several_meshes(model):
+    if hasattr(model, "pipeline"):
+        model.pipeline.clip(max_norm)
+    elif has_mixed_gradients(model) or _several_meshes(model):
         clip_grad_norm(list(model.parameters()), max_norm)
     else:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def resolve_strategy(name: str, topology: Topology) -> Strategy:
-    """The strategy named, or the composition its mesh describes when it has several axes."""
+def resolve_strategy(name: str, topology: Topology, pipeline: PipelineOptions | None = None) -> Strategy:
+    """The strategy named, or the composition its mesh describes (several axes, or a pipeline)."""
     strategy = get_strategy(name)
-    if set(topology.mesh_shape) == {strategy.axis}:
+    if set(topology.mesh_shape) == {strategy.axis} and strategy.axis != "pp":
         return strategy
     from gradmesh.parallel.compose import composed
 
-    wrap, sync = composed(topology)
+    wrap, sync = composed(topology, pipeline)
     label = ",".join(f"{axis}={size}" for axis, size in topology.mesh_shape.items())
+    if topology.mesh_shape.keys() == {"pp"}:
+        label = "pipeline"
     return Strategy(label, wrap, sync=sync, axis="")
 
 

@@ -1,10 +1,11 @@
-"""Strategies composed on a named 2-D mesh (`--mesh dp=2,tp=2`, `--mesh fsdp=2,tp=2`).
+"""Strategies composed on a named mesh (`--mesh dp=2,tp=2`, `fsdp=2,tp=2`, `dp=2,pp=2`).
 
 The order is fixed: tensor parallel first (it rewrites modules into DTensor shards), then the
-pipeline split (not yet), then data parallelism or sharding over whatever each rank holds.
-DDP does not take DTensor parameters, so plain data parallelism over a tensor-parallel model
-averages the local gradient shards itself: one flattened all-reduce over the dp axis after
-the last micro-batch's backward — what DDP's reducer does, minus bucketing and overlap.
+pipeline split (it cuts the rewritten model into stage views), then data parallelism or
+sharding over whatever each rank holds. DDP takes neither DTensor parameters nor a module
+that a pipeline schedule drives stage by stage, so plain data parallelism over tensor- or
+pipeline-parallel ranks averages the local gradients itself: one flattened all-reduce over the
+dp axis after the step's backward — what DDP's reducer does, minus bucketing and overlap.
 """
 
 import contextlib
@@ -17,11 +18,12 @@ from torch.distributed.tensor import DTensor
 
 from gradmesh.errors import UsageError
 from gradmesh.parallel.data import apply_ddp, ddp_sync
+from gradmesh.parallel.pipeline import PipelineOptions, apply_pipeline
 from gradmesh.parallel.sharded import apply_fsdp, fsdp_sync
 from gradmesh.parallel.tensor import apply_tp
 from gradmesh.topology import MESH_AXES, Topology
 
-SUPPORTED = ({"dp"}, {"fsdp"}, {"tp"}, {"dp", "tp"}, {"fsdp", "tp"})
+SUPPORTED = ({"dp"}, {"fsdp"}, {"tp"}, {"pp"}, {"dp", "tp"}, {"fsdp", "tp"}, {"dp", "pp"})
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -56,24 +58,29 @@ def _average_over(model: nn.Module, group, size: int, last_micro_batch: bool):
             grad.copy_(averaged)
 
 
-def composed(topology: Topology):
+def composed(topology: Topology, pipeline: PipelineOptions | None = None):
     """(wrap, sync) for the topology's mesh, in the fixed composition order."""
     axes = topology.mesh_shape
+    model_parallel = "tp" in axes or "pp" in axes
 
     def wrap(model: nn.Module, topo: Topology) -> nn.Module:
         if "tp" in axes:
             model = apply_tp(model, topo)
+        if "pp" in axes:
+            model = apply_pipeline(model, topo, pipeline)
         if "fsdp" in axes:
             return apply_fsdp(model, topo)
-        if "dp" in axes and "tp" not in axes:
+        if "dp" in axes and not model_parallel:
             return apply_ddp(model, topo)
         return model.to(topo.device)
 
     def sync(model: nn.Module, last_micro_batch: bool):
         if "fsdp" in axes:
             return fsdp_sync(model, last_micro_batch)
-        if "dp" in axes and "tp" in axes:
+        if "dp" in axes and model_parallel:
             return _average_over(model, topology.mesh["dp"].get_group(), axes["dp"], last_micro_batch)
-        return ddp_sync(model, last_micro_batch)
+        if "dp" in axes:
+            return ddp_sync(model, last_micro_batch)
+        return contextlib.nullcontext()
 
     return wrap, sync

@@ -1,0 +1,1 @@
+"""Planning: how to cut and place a model, from measured costs."""

@@ -1,0 +1,127 @@
+"""Pipeline parallelism (issue 4): every schedule and dp x pp keep the parity contract; the
+cut is chosen from measured costs or given by hand, written to the run dir, and reshardable
+checkpoints cross between pipeline and data-parallel runs; impossible pipelines are refused
+before launch."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from helpers import gradmesh, references, rel_l2, train, weights
+from gradmesh.models import gpt
+from gradmesh.parallel.pipeline import keep_only, pipeline_units, profile_units
+from gradmesh.plan.partition import balanced_cut, equal_cut, stage_load
+
+TOLERANCE = 1e-5
+ARGS = ["--max-steps", "20", "--global-batch-size", "16", "--set", "model.n_layer=4"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return references(tmp_path_factory, "pp-ref", *ARGS)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_each_schedule_matches_single_process(reference, tmp_path, schedule, optimizer):
+    train(tmp_path, 2, *ARGS, "--optimizer", optimizer, "--strategy", "pipeline", "--pp-schedule", schedule)
+    assert rel_l2(weights(tmp_path), reference[optimizer]) <= TOLERANCE
+    plan = json.loads((tmp_path / "pipeline.json").read_text())
+    stages = 4 if schedule == "interleaved" else 2
+    assert [s["rank"] for s in plan["stages"]] == [s % 2 for s in range(stages)]
+    held = [u for s in plan["stages"] for u in s["units"]]
+    assert held == ["wte", "h.0", "h.1", "h.2", "h.3", "ln_f"]  # every unit once, in order
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("layout", [["--strategy", "pipeline"], ["--mesh", "dp=2,pp=2"]])
+def test_four_ranks_match_single_process(reference, tmp_path, layout, optimizer):
+    train(tmp_path, 4, *ARGS, "--optimizer", optimizer, *layout)
+    assert rel_l2(weights(tmp_path), reference[optimizer]) <= TOLERANCE
+
+
+def test_manual_cut_is_used_and_keeps_parity(reference, tmp_path):
+    train(tmp_path, 2, *ARGS, "--optimizer", "sgd", "--strategy", "pipeline", "--pp-split", "h.3")
+    plan = json.loads((tmp_path / "pipeline.json").read_text())
+    assert plan["cut"] == "manual"
+    assert [s["units"] for s in plan["stages"]] == [["wte", "h.0", "h.1", "h.2"], ["h.3", "ln_f"]]
+    assert rel_l2(weights(tmp_path), reference["sgd"]) <= TOLERANCE
+
+
+def test_short_last_batch_is_padded_with_weightless_samples(tmp_path):
+    """mlp-digits: step 15 holds 93 of 96 samples; the pipeline pads its share with weight 0."""
+    args = ["--model", "mlp-digits", "--max-steps", "20", "--global-batch-size", "96", "--optimizer", "sgd"]
+    train(tmp_path / "one", 1, *args, tiny=False)
+    train(tmp_path / "pp", 2, *args, "--strategy", "pipeline", "--pp-schedule", "gpipe", "--microbatches", "5",
+          tiny=False)
+    assert rel_l2(weights(tmp_path / "pp"), weights(tmp_path / "one")) <= TOLERANCE
+
+
+def test_pipeline_checkpoint_resumes_under_ddp_and_back(reference, tmp_path):
+    first = [a if a != "20" else "10" for a in ARGS]
+    train(tmp_path, 2, *first, "--optimizer", "adamw", "--strategy", "pipeline")
+    layers = ["--set", "model.n_layer=4"]
+    train(tmp_path, 2, "--resume", "--strategy", "ddp", "--max-steps", "15", *layers)
+    train(tmp_path, 2, "--resume", "--strategy", "pipeline", "--pp-schedule", "gpipe", "--max-steps", "20", *layers)
+    assert rel_l2(weights(tmp_path), reference["adamw"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--nproc", "4", "--strategy", "pipeline", "--set", "model.n_layer=1"], ["4 stages", "model has 3", "pp <= 3"]),
+    (["--nproc", "2", "--strategy", "pipeline", "--pp-schedule", "interleaved", "--set", "model.n_layer=1"],
+     ["4 stages", "2 stages per rank"]),
+    (["--nproc", "4", "--strategy", "pipeline", "--microbatches", "2"], ["fewer than the 4 pipeline stages"]),
+    (["--nproc", "2", "--strategy", "pipeline", "--pp-split", "h.9"], ["'h.9' is not a unit", "h.0"]),
+    (["--nproc", "2", "--strategy", "pipeline", "--grad-accum", "2"], ["--grad-accum must be 1"]),
+    (["--nproc", "2", "--strategy", "pipeline", "--global-batch-size", "8", "--microbatches", "16"],
+     ["exceeds the 8 samples"]),
+    (["--nproc", "2", "--strategy", "pipeline", "--pp-schedule", "zigzag"], ["invalid choice", "interleaved"]),
+])
+def test_impossible_pipelines_are_refused_before_launch(tmp_path, args, words):
+    result = gradmesh("train", "--run-dir", str(tmp_path), *args, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and all(w in result.stderr for w in words), result.stderr
+
+
+# -- the cut (single process, no timing asserted) -------------------------------------------------
+
+def test_stage_views_keep_names_and_compose_to_the_whole_model():
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=11, block_size=8, n_layer=3, n_head=2, n_embd=16))
+    units = pipeline_units(model)
+    cut = [{"wte", "wpe", "drop", "h.0"}, {"h.1", "h.2"}, {"ln_f", "lm_head"}]
+    views = [keep_only(model, names) for names in cut]
+    names = [n for v in views for n in v.state_dict()]
+    assert names == list(model.state_dict())  # each parameter in exactly one stage, same name
+    x = torch.randint(0, 11, (3, 8))
+    out = x
+    for view in views:
+        out = view(out)
+    assert torch.equal(out, model(x))
+    assert [u[0] for u in units] == ["wte", "h.0", "h.1", "h.2", "ln_f"]
+
+
+def _brute_force_bottleneck(costs, stages):
+    import itertools
+
+    return min(max(stage_load(costs, [0, *cuts])) for cuts in itertools.combinations(range(1, len(costs)), stages - 1))
+
+
+def test_balanced_cut_beats_equal_layers_on_an_unbalanced_model():
+    """One wide layer among narrow ones: the measured bytes (exact, not timed) say where to cut."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 512), nn.Linear(512, 512), nn.Linear(512, 16),
+                          nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 10))
+    example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
+    costs = profile_units(model, pipeline_units(model), example,
+                          lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
+                          optimizer_slots=2, in_flight=2, repeats=1)
+    costs = [type(c)(c.name, 0.0, c.bytes) for c in costs]  # memory only: deterministic
+    balanced, equal = balanced_cut(costs, 2), equal_cut(len(costs), 2)
+    assert equal == [0, 4]
+    assert balanced == [0, 3]  # the 512x512 layer with what precedes it; the rest apart
+    assert max(stage_load(costs, balanced)) < max(stage_load(costs, equal))
+    for stages in (2, 3, 4):
+        assert max(stage_load(costs, balanced_cut(costs, stages))) == pytest.approx(_brute_force_bottleneck(costs, stages))
