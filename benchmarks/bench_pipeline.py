@@ -6,11 +6,13 @@
    beside the theory (p-1)/(M+p-1). Stage compute is a fixed-time stand-in (sleep in forward
    and backward: 20 ms and 40 ms per micro-batch) so that 4 ranks on 2 cores do not contend
    for cores; the schedules, the transfers between stages and autograd are torch's, as in
-   training. Bubble = 1 - (time inside stage compute) / (step time), averaged over ranks.
+   training. Bubble = 1 - (time inside each layer's forward and backward) / (step time),
+   averaged over ranks: what is left is waiting, transfers and the schedule's own work.
 2. Peak activation bytes a stage holds for backward (counted by autograd hooks), gpipe vs 1f1b;
    1F1B keeps at most p - s micro-batches in flight on stage s, GPipe all M.
-3. An unbalanced model (three wide layers, then cheap ones) with real compute at p = 2: step
-   time with the cut gradmesh balances from measured costs vs the equal-layer cut.
+3. An unbalanced model (four linear layers, then four cheap norm/activation layers) with real
+   compute at p = 2: step time with the cut gradmesh balances from measured costs vs the
+   equal-layer cut (which puts every linear layer on stage 0).
 """
 
 import argparse

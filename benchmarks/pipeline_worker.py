@@ -4,8 +4,8 @@ modes:
   schedule  stages of fixed compute time (sleeps, so 4 ranks on 2 cores do not contend for
             cores; the schedule, transfers and autograd are real): step time, busy time, and
             the peak of activation bytes held for backward
-  cut       an unbalanced model with real compute: throughput of the balanced cut and of the
-            equal-layer cut
+  cut       an unbalanced model with real compute (four wide layers, then four cheap ones):
+            step time with the balanced cut and with the equal-layer cut
 """
 
 import argparse
@@ -24,34 +24,54 @@ from gradmesh.parallel.pipeline import Pipeline, PipelineOptions, pipeline_units
 from gradmesh.plan.partition import equal_cut
 
 BUSY = [0.0]
+BACKWARD_START = [0.0]
 
 
 class Pause(torch.autograd.Function):
-    """Identity whose forward and backward take a fixed time (stand-in for a stage's compute)."""
+    """Identity whose forward and backward take a fixed time (stand-in for a stage's compute).
+
+    Its backward runs first in the layer's backward, so it also marks when that began."""
 
     @staticmethod
     def forward(ctx, x, forward_s, backward_s):
-        tic = time.perf_counter()
         time.sleep(forward_s)
-        BUSY[0] += time.perf_counter() - tic
         ctx.backward_s = backward_s
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        tic = time.perf_counter()
+        BACKWARD_START[0] = time.perf_counter()
         time.sleep(ctx.backward_s)
-        BUSY[0] += time.perf_counter() - tic
         return grad, None, None
 
 
+class Enter(torch.autograd.Function):
+    """Identity at a layer's input; its backward runs last in the layer's backward. `anchor` (a
+    parameter) makes autograd run it on the first stage too, whose input needs no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, anchor):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        BUSY[0] += time.perf_counter() - BACKWARD_START[0]
+        return grad, None
+
+
 class TimedLayer(nn.Module):
+    """Linear + tanh + a fixed pause; BUSY accumulates its whole forward and backward time."""
+
     def __init__(self, width: int, forward_s: float, backward_s: float):
         super().__init__()
         self.linear, self.forward_s, self.backward_s = nn.Linear(width, width), forward_s, backward_s
 
     def forward(self, x):
-        return Pause.apply(torch.tanh(self.linear(x)), self.forward_s, self.backward_s)
+        tic = time.perf_counter()
+        x = Enter.apply(x, self.linear.bias)
+        out = Pause.apply(torch.tanh(self.linear(x)), self.forward_s, self.backward_s)
+        BUSY[0] += time.perf_counter() - tic
+        return out
 
 
 class LiveSaved(torch.autograd.graph.saved_tensors_hooks):
@@ -118,17 +138,17 @@ def main() -> None:
     if args.mode == "schedule":
         width, per_microbatch = 64, 4
         batch = per_microbatch * args.microbatches
-        model = nn.Sequential(*[TimedLayer(width, 0.02, 0.04) for _ in range(p)])
+        model = nn.Sequential(*[TimedLayer(width, 0.03, 0.06) for _ in range(p)])
         pipe = build(model, session, args.schedule, args.microbatches, batch, width, ())
         step_s, busy_s, peak = timed_steps(pipe, batch, width, args.steps)
         rows = {"step_s": step_s, "busy_s": busy_s, "activation_peak_bytes": peak}
     else:
-        width, batch = 512, 256
-        heavy = [nn.Linear(width, width) for _ in range(3)]
-        light = [nn.LayerNorm(width), nn.Tanh(), nn.LayerNorm(width), nn.Tanh(), nn.Linear(width, width)]
+        width, batch = 256, 4096  # weights that fit in a core's L2: the two ranks then scale
         for split in ("balanced", "equal"):
             torch.manual_seed(0)
-            model = nn.Sequential(*[nn.Sequential(layer) for layer in heavy + light])
+            heavy = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4)]
+            light = [nn.LayerNorm(width), nn.Tanh(), nn.LayerNorm(width), nn.Tanh()]
+            model = nn.Sequential(*heavy, *light)
             points = () if split == "balanced" else tuple(names_at(model, p)[1:])
             pipe = build(model, session, args.schedule, args.microbatches, batch, width, points)
             step_s, _, _ = timed_steps(pipe, batch, width, args.steps)
