@@ -13,6 +13,9 @@ from gradmesh import config as configuration
 from gradmesh import rundir
 from gradmesh.errors import EXIT_USAGE, UsageError
 from gradmesh.fault import checkpoint
+from gradmesh.fault.inject import check_ranks, parse_faults
+
+RESTART_CHECKPOINT_EVERY = 10
 
 # Command-line flag -> config key. Flags left out stay None and do not override.
 FLAG_KEYS = {
@@ -23,6 +26,8 @@ FLAG_KEYS = {
     "seed": "train.seed", "eval_every": "train.eval_every", "record_samples": "train.record_samples",
     "checkpoint_every": "checkpoint.every", "resume": "checkpoint.resume",
     "async_checkpoint": "checkpoint.async_save",
+    "recovery": "fault.recovery", "max_restarts": "fault.max_restarts", "step_timeout": "fault.step_timeout",
+    "inject": "fault.inject",
     "run_dir": "run.dir", "quiet": "run.quiet",
     "nproc": "launch.nproc", "nnodes": "launch.nnodes", "node_rank": "launch.node_rank",
     "rdzv_endpoint": "launch.rdzv_endpoint", "rdzv_id": "launch.rdzv_id",
@@ -91,6 +96,14 @@ def build_parser() -> Parser:
     run.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint in --run-dir")
     run.add_argument("--async-checkpoint", action="store_true", default=None, help="write checkpoints in the background")
     run.add_argument("--record-samples", action="store_true", default=None, help="log each rank's sample indices per step")
+    faults = train.add_argument_group("failures")
+    faults.add_argument("--recovery", choices=configuration.RECOVERY,
+                        help="restart: on a failure every worker restarts from the latest checkpoint (default none)")
+    faults.add_argument("--max-restarts", type=int, metavar="K", help="restarts allowed under --recovery restart (default 3)")
+    faults.add_argument("--step-timeout", type=float, metavar="SECONDS",
+                        help="declare a hang when a step makes no progress this long: stacks dumped, ranks named (default off)")
+    faults.add_argument("--inject", action="append", metavar="FAULT",
+                        help="inject a fault (repeatable): kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, slow:rank=R,factor=F")
     run.add_argument("--quiet", action="store_true", default=None, help="no progress bar or summary table")
     _add_launch_options(train)
 
@@ -111,6 +124,8 @@ def _flag_layer(args: argparse.Namespace) -> dict[str, dict]:
     layer: dict[str, dict] = {}
     for flag, key in FLAG_KEYS.items():
         value = getattr(args, flag, None)
+        if isinstance(value, list):
+            value = ";".join(value)
         if value is not None:
             section, name = key.split(".")
             layer.setdefault(section, {})[name] = value
@@ -195,6 +210,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                    cfg.model.n_embd, mesh.get("tp", world))
     if "pp" in mesh:
         _check_pipeline(cfg, mesh)
+    check_ranks(parse_faults(cfg.fault.inject), world)
+    if cfg.fault.recovery == "restart" and not cfg.checkpoint.every:
+        cfg.checkpoint.every = RESTART_CHECKPOINT_EVERY  # a restart must have something recent to resume
     workloads.check_inputs(cfg)
     run_dir = rundir.ensure_writable(cfg.run.dir)
     if cfg.checkpoint.resume:
@@ -203,7 +221,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         _start_fresh(run_dir, cfg.run.quiet)
     config_path = run_dir / "config.toml"
     config_path.write_text(cfg.to_toml())
-    return run_workers(cfg.launch, nproc, ["-m", "gradmesh.worker", str(config_path)])
+    restarts = cfg.fault.max_restarts if cfg.fault.recovery == "restart" else 0
+    return run_workers(cfg.launch, nproc, ["-m", "gradmesh.worker", str(config_path)], max_restarts=restarts)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

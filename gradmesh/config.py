@@ -167,6 +167,31 @@ class CheckpointConfig:
         _positive("checkpoint", "keep", self.keep, allow_zero=True)
 
 
+RECOVERY = ("none", "restart")
+
+
+@dataclass(kw_only=True)
+class FaultConfig:
+    """Surviving failures: detection, recovery, and injected faults for testing them."""
+
+    recovery: str = "none"
+    """none (a failure ends the run) or restart (every worker restarts from the latest checkpoint)."""
+    max_restarts: int = 3
+    """Restarts allowed under recovery=restart before the run fails."""
+    step_timeout: float = 0.0
+    """Seconds a step may take before the run is declared hung (stacks dumped, ranks named); 0: off."""
+    inject: str = ""
+    """Faults to inject, ';'-separated: kill:rank=R,step=N[,at=checkpoint]  hang:rank=R,step=N  slow:rank=R,factor=F."""
+
+    def __post_init__(self):
+        _one_of("fault", "recovery", self.recovery, RECOVERY)
+        _positive("fault", "max_restarts", self.max_restarts, allow_zero=True)
+        _positive("fault", "step_timeout", self.step_timeout, allow_zero=True)
+        from gradmesh.fault.inject import parse_faults
+
+        parse_faults(self.inject)
+
+
 @dataclass(kw_only=True)
 class LaunchConfig:
     """How many workers, where, and on what device (torchrun's options)."""
@@ -211,6 +236,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 from gradmesh.errors import UsageError
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors", "vocab.json")
-RANK_FILE_PATTERNS = ("samples-rank*.jsonl",)
+RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors", "vocab.json", "pipeline.json", "faults.jsonl")
+RANK_FILE_PATTERNS = ("samples-rank*.jsonl", "stacks-rank*.txt")
 
 
 def ensure_writable(run_dir: str | Path) -> Path:
@@ -31,3 +31,15 @@ def clear_previous_run(run_dir: str | Path) -> list[Path]:
     for path in old:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     return old
+
+
+def truncate_steps(path: Path, last_step: int) -> None:
+    """Drop the records of steps after `last_step` from a JSONL file (steps a restart redoes)."""
+    if not path.exists():
+        return
+    import json
+
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
+    if len(kept) != len(lines):
+        path.write_text("".join(line + "\n" for line in kept))

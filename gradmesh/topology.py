@@ -9,6 +9,7 @@ import math
 import os
 import socket
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,22 @@ def threads_per_worker(local_world_size: int) -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         return int(os.environ["OMP_NUM_THREADS"])
     return max(1, (os.cpu_count() or 1) // local_world_size)
+
+
+def _attempt_store() -> "dist.Store | None":
+    """Under torch elastic's agent store, the job's store namespaced by restart attempt.
+
+    The agent keeps one store across restarts, and the workers' process groups publish their
+    addresses under the same keys each attempt: a restarted group read its dead predecessors'
+    addresses and failed to connect ("Connection refused"). A prefix per attempt keeps them apart.
+    None (torch's default env:// rendezvous) outside torch elastic.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timedelta(minutes=30))
+    return dist.PrefixStore(f"gradmesh/attempt-{attempt}", client)
 
 
 @dataclass
@@ -131,6 +148,7 @@ class Topology:
                 rank=self.rank,
                 world_size=self.world_size,
                 device_id=self.device if self.device_type == "cuda" else None,
+                store=_attempt_store(),
             )
         names = tuple(self.mesh_shape)
         self.mesh = init_device_mesh(

@@ -13,6 +13,7 @@ batch, whatever the world size, the number of micro-batches, or a short last bat
 
 import json
 import math
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -23,9 +24,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gradmesh import rundir
-from gradmesh.config import CheckpointConfig, TrainConfig
+from gradmesh.config import CheckpointConfig, FaultConfig, TrainConfig
 from gradmesh.data import GlobalOrderSampler, fetch
 from gradmesh.fault import checkpoint
+from gradmesh.fault.inject import Injector, parse_faults
+from gradmesh.fault.watchdog import Watchdog
 from gradmesh.errors import UsageError
 from gradmesh.monitor.progress import TrainingProgress, print_pipeline_plan, print_summary
 from gradmesh.monitor.reporter import StepRecord, StepReporter
@@ -109,10 +112,16 @@ class Trainer:
                  train: TrainConfig | None = None, checkpointing: CheckpointConfig | None = None,
                  optimizer: OptimizerSpec | None = None, run_dir: str | Path | None = None,
                  eval_fn: Callable[[nn.Module], dict] | None = None, quiet: bool = False,
-                 run_info: dict | None = None, criterion: Callable | None = None):
+                 run_info: dict | None = None, criterion: Callable | None = None,
+                 faults: FaultConfig | None = None):
         self.session, self.topo = session, session.topology
         self.train = train or TrainConfig()
         self.checkpointing = checkpointing or CheckpointConfig()
+        self.faults = faults or FaultConfig()
+        # Set by torch elastic: > 0 when this worker group was restarted after a failure.
+        self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        self.injector = Injector(parse_faults(self.faults.inject), self.topo.rank, run_dir)
+        self.watchdog = None
         self.loss_fn, self.dataset, self.eval_fn = loss_fn, dataset, eval_fn
         self.run_dir = Path(run_dir) if run_dir else None
         self.run_info = run_info or {}
@@ -136,7 +145,8 @@ class Trainer:
         self.checkpointer = None
         if self.run_dir:
             self.checkpointer = checkpoint.Checkpointer(self.run_dir, self.strategy, self.checkpointing.keep,
-                                                        self.checkpointing.async_save)
+                                                        self.checkpointing.async_save,
+                                                        on_written=self.injector.at_checkpoint)
 
     def _pipeline_options(self, criterion, optimizer_class, kwargs) -> PipelineOptions | None:
         if "pp" not in self.topo.mesh_shape:
@@ -185,7 +195,9 @@ class Trainer:
             data = self._to_device(fetch(self.dataset, indices))
             with grad_sync(self.model, self.strategy, last_micro_batch=i == len(runs) - 1):
                 losses = self.loss_fn(self.model, data)
+                self._beat(1, i)
                 (losses.sum() * weight).backward()
+            self._beat(2, i)
             if weight:
                 loss_sum += losses.detach().sum()
         return loss_sum
@@ -208,6 +220,7 @@ class Trainer:
         if self.train.grad_clip:
             clip_gradients(self.model, self.train.grad_clip)
         self.optimizer.step()
+        self._beat(3)
         # Measured here, where parameters, gradients and optimizer state all exist.
         figures = torch.tensor([0.0, model_state_bytes(self.model, self.optimizer),
                                 peak_memory_bytes(self.topo.device)], dtype=torch.float64)
@@ -220,7 +233,7 @@ class Trainer:
     def fit(self) -> dict:
         if self.run_dir and self.topo.is_main:
             rundir.ensure_writable(self.run_dir)
-            if not self.checkpointing.resume:
+            if not (self.checkpointing.resume or self.restarted):
                 rundir.clear_previous_run(self.run_dir)
             if self.pipeline:
                 (self.run_dir / "pipeline.json").write_text(json.dumps(self.pipeline.plan, indent=1))
@@ -232,9 +245,16 @@ class Trainer:
         samples = self._samples_before(start_step)
         wall_start, train_time, loss = time.perf_counter(), 0.0, float("nan")
         records = self._open_rank_file("samples") if self.train.record_samples else None
+        if self.faults.step_timeout:
+            self.watchdog = Watchdog(self.faults.step_timeout, self.topo.rank, self.topo.world_size, self.run_dir)
+        elapsed = 0.0
         for step in range(start_step + 1, self.train.max_steps + 1):
+            self.injector.before_step(step)
+            self.step_now = step
+            self._beat(0)
             batch = self.sampler.next_batch(self.topo.dp_rank, self.topo.dp_size, self.train.grad_accum)
             tic = time.perf_counter()
+            self.injector.slow_down(elapsed)
             lr = self._set_lr()
             figures = self._step(batch)
             elapsed = time.perf_counter() - tic
@@ -244,16 +264,24 @@ class Trainer:
             if records:
                 used = [i for m in batch.micro_batches for i in m]
                 records.write(json.dumps({"step": step, "epoch": batch.epoch, "indices": used}) + "\n")
+            if self.watchdog:
+                self.watchdog.pause()  # evaluation and checkpoints are not steps
             if self.train.eval_every and step % self.train.eval_every == 0 and step < self.train.max_steps:
                 self._log_eval(step, self.evaluate())
             if self.checkpointing.every and step % self.checkpointing.every == 0:
                 self.save_checkpoint(step)
+        if self.watchdog:
+            self.watchdog.stop()
         self.reporter.flush()
         loss = self.history[-1]["loss"] if self.history else float("nan")
         if records:
             records.close()
         self.progress.close()
         return self._finish(loss, samples, time.perf_counter() - wall_start, train_time, start_step)
+
+    def _beat(self, phase: int, micro: int = 0) -> None:
+        if self.watchdog:
+            self.watchdog.beat(self.step_now, phase, micro)
 
     def evaluate(self) -> dict:
         if self.eval_fn is None:
@@ -293,12 +321,13 @@ class Trainer:
     def save_checkpoint(self, step: int) -> None:
         if self.checkpointer is None:
             return
+        self.reporter.flush()  # the metrics of every step the checkpoint covers are on disk with it
         state = {"step": step, "sampler": self.sampler.state_dict(), "world_size": self.topo.world_size,
                  "strategy": self.strategy.name, "run": self.run_info}
         self.checkpointer.save(step, self.model, self.optimizer, state)
 
     def _maybe_resume(self) -> int:
-        if not (self.checkpointing.resume and self.checkpointer):
+        if not ((self.checkpointing.resume or self.restarted) and self.checkpointer):
             return 0
         # Rank 0 verifies checksums and picks the newest intact checkpoint for everyone.
         chosen = torch.tensor([-1], dtype=torch.int64)
@@ -306,14 +335,24 @@ class Trainer:
             path = checkpoint.latest_good_checkpoint(self.run_dir, warn=self.progress.note)
             chosen[0] = int(path.name.split("-")[1]) if path else -1
         dist.broadcast(chosen, src=0, group=self.checkpointer.group)
+        if chosen.item() < 0 and self.restarted and not self.checkpointing.resume:
+            self._forget_steps_after(0)  # failed before its first checkpoint: start again
+            return 0
         if chosen.item() < 0:
             raise checkpoint.CheckpointError(f"--resume: no intact checkpoint under {self.run_dir / 'checkpoints'}")
         path = checkpoint.checkpoint_root(self.run_dir) / f"step-{chosen.item()}"
         state = self.checkpointer.load(path, self.model, self.optimizer)
         self.sampler.load_state_dict(state["sampler"])
+        self._forget_steps_after(state["step"])
         self.progress.note(f"resumed from {path} (step {state['step']}, written by {state.get('strategy')} "
                            f"at world size {state.get('world_size')})")
         return state["step"]
+
+    def _forget_steps_after(self, step: int) -> None:
+        """Records of steps after the checkpoint go: the resumed run does them again, once."""
+        if self.topo.is_main:
+            rundir.truncate_steps(self.run_dir / "metrics.jsonl", step)
+        rundir.truncate_steps(self.run_dir / f"samples-rank{self.topo.rank}.jsonl", step)
 
     def _finish(self, loss: float, samples: int, wall: float, train_time: float, start_step: int) -> dict:
         eval_metrics = self.evaluate()

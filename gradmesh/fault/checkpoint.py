@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -122,9 +123,12 @@ class Checkpointer:
     Collective: every rank calls `save`, `wait` and `load` in the same order.
     """
 
-    def __init__(self, run_dir: str | Path, strategy: str, keep: int = 0, use_async: bool = False):
+    def __init__(self, run_dir: str | Path, strategy: str, keep: int = 0, use_async: bool = False,
+                 on_written: Callable[[int], None] = lambda step: None):
         self.root = checkpoint_root(run_dir)
         self.strategy, self.keep, self.use_async = strategy, keep, use_async
+        self.on_written = on_written
+        """Called once a write is under way, before it is published (fault injection's hook)."""
         self.is_main = dist.get_rank() == 0
         # Checkpoint coordination runs on its own gloo group: async writes' background
         # collectives never interleave with training's (DCP's advice for async_save), and small
@@ -145,6 +149,8 @@ class Checkpointer:
             self.pending = (step, state, future)
         else:
             dcp.save(payload, checkpoint_id=str(tmp))
+        self.on_written(step)
+        if not self.use_async:
             self._publish(step, state)
 
     def wait(self) -> None:

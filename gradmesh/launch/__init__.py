@@ -14,12 +14,13 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from gradmesh.config import LaunchConfig
+from gradmesh.fault.watchdog import EXIT_HANG
 from gradmesh.topology import threads_per_worker
 
 
-def torchrun_args(launch: LaunchConfig, nproc: int) -> list[str]:
+def torchrun_args(launch: LaunchConfig, nproc: int, max_restarts: int = 0) -> list[str]:
     args = ["--nproc-per-node", str(nproc), "--nnodes", str(launch.nnodes),
-            "--max-restarts", "0", "--monitor-interval", "0.1"]
+            "--max-restarts", str(max_restarts), "--monitor-interval", "0.1"]
     if launch.nnodes == 1 and not launch.rdzv_endpoint:
         return args + ["--standalone"]
     backend = launch.rdzv_backend or ("static" if launch.node_rank >= 0 else "c10d")
@@ -33,18 +34,20 @@ def describe_failure(err: ChildFailedError) -> str:
     rank, failure = err.get_first_failure()
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
+    elif failure.exitcode == EXIT_HANG:
+        return f"gradmesh: the run hung (rank {rank} exited after the step watchdog fired; see the hang report above)"
     else:
         how = f"exited with code {failure.exitcode}"
     return f"gradmesh: worker rank {rank} (pid {failure.pid}) {how}; its traceback, if it left one, is above"
 
 
-def run_workers(launch: LaunchConfig, nproc: int, target: list[str]) -> int:
+def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restarts: int = 0) -> int:
     """Run `target` (['-m', module, ...] or [script, ...]) on nproc local workers; exit code."""
     # torchrun's own default is one thread per worker; dividing the cores is faster when
     # fewer workers than cores run here. A user's OMP_NUM_THREADS wins.
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    args = torchrun.parse_args(torchrun_args(launch, nproc) + target)
+    args = torchrun.parse_args(torchrun_args(launch, nproc, max_restarts) + target)
     try:
         torchrun.run(args)
     except ChildFailedError as err:

@@ -1,0 +1,102 @@
+"""Fault injection for testing recovery: `--inject kill:rank=1,step=7` (and hang, slow).
+
+Off unless asked for. Each kill or hang fires once per run, whatever the restarts: before it
+fires, the worker appends it to RUN_DIR/faults.jsonl, and a restarted worker skips what that
+file already lists, so a restart replays the steps after the checkpoint without being killed
+at the same step again (and a second fault later in the run still fires).
+"""
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gradmesh.errors import UsageError
+
+KINDS = {"kill": {"rank", "step", "at"}, "hang": {"rank", "step"}, "slow": {"rank", "factor"}}
+FORMS = "kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N or slow:rank=R,factor=F"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int = 0
+    at: str = "step"
+    """kill only: 'step' (before the step runs) or 'checkpoint' (mid-write of that step's checkpoint)."""
+    factor: float = 1.0
+
+    @property
+    def label(self) -> str:
+        if self.kind == "slow":
+            return f"slow:rank={self.rank},factor={self.factor:g}"
+        at = ",at=checkpoint" if self.at == "checkpoint" else ""
+        return f"{self.kind}:rank={self.rank},step={self.step}{at}"
+
+
+def _parse_one(text: str) -> Fault:
+    kind, _, rest = text.strip().partition(":")
+    fields = dict(part.partition("=")[::2] for part in rest.split(",") if part)
+    if kind not in KINDS or not rest or set(fields) - KINDS[kind] or "rank" not in fields:
+        raise UsageError(f"--inject {text!r}: expected {FORMS}")
+    try:
+        fault = Fault(kind, int(fields["rank"]), step=int(fields.get("step", 0)), at=fields.get("at", "step"),
+                      factor=float(fields.get("factor", 1.0)))
+    except ValueError:
+        raise UsageError(f"--inject {text!r}: rank and step must be whole numbers, factor a number; expected {FORMS}") from None
+    if kind != "slow" and fault.step < 1 or fault.rank < 0 or fault.at not in ("step", "checkpoint") or fault.factor < 1:
+        raise UsageError(f"--inject {text!r}: needs rank >= 0, step >= 1, factor >= 1, at=step|checkpoint")
+    return fault
+
+
+def parse_faults(text: str) -> list[Fault]:
+    return [_parse_one(part) for part in text.split(";") if part.strip()]
+
+
+def check_ranks(faults: list[Fault], world_size: int) -> None:
+    for fault in faults:
+        if fault.rank >= world_size:
+            raise UsageError(f"--inject {fault.label}: rank {fault.rank} does not exist (ranks 0..{world_size - 1})")
+
+
+class Injector:
+    """This rank's faults; `before_step` and `at_checkpoint` fire them."""
+
+    def __init__(self, faults: list[Fault], rank: int, run_dir: Path | None):
+        self.log = Path(run_dir) / "faults.jsonl" if run_dir else None
+        fired = set()
+        if self.log and self.log.exists():
+            lines = [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
+            fired = {entry["fault"] for entry in lines if "fault" in entry}
+        self.faults = [f for f in faults if f.rank == rank and f.label not in fired]
+        self.rank = rank
+        self.slow_factor = max([f.factor for f in self.faults if f.kind == "slow"], default=1.0)
+
+    def _fire(self, fault: Fault, step: int) -> None:
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(json.dumps({"fault": fault.label, "rank": self.rank, "step": step, "time": time.time()}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        print(f"gradmesh: injecting {fault.label}", flush=True)
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang: never return, as a deadlocked worker would not
+            time.sleep(3600)
+
+    def before_step(self, step: int) -> None:
+        for fault in self.faults:
+            if fault.kind in ("kill", "hang") and fault.at == "step" and fault.step == step:
+                self._fire(fault, step)
+
+    def at_checkpoint(self, step: int) -> None:
+        for fault in self.faults:
+            if fault.kind == "kill" and fault.at == "checkpoint" and fault.step == step:
+                self._fire(fault, step)
+
+    def slow_down(self, elapsed: float) -> None:
+        """A straggler: the step takes `factor` times as long on this rank."""
+        if self.slow_factor > 1:
+            time.sleep((self.slow_factor - 1) * elapsed)

@@ -1,0 +1,111 @@
+"""Hang detection: a step that does not finish within `--step-timeout` seconds.
+
+torch's own collective timeouts default to 30 minutes and say nothing about who is missing.
+Here every rank publishes its progress (step, micro-batch, phase) to the job's c10d store as it
+goes; a thread on each rank watches its own progress. When it has not moved for the timeout,
+the thread raises the alarm in the store, every rank writes all of its threads' Python stacks
+to RUN_DIR/stacks-rank{R}.txt, and the ranks whose progress is behind the others' — those that
+never arrived where the rest are waiting — are named in the log and in RUN_DIR/faults.jsonl.
+Then the workers exit (code 3), so torch elastic ends the job or, under `--recovery restart`,
+restarts it from the latest checkpoint.
+"""
+
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+EXIT_HANG = 3
+PHASES = ("started", "forward done", "backward done", "optimizer done")
+
+
+def _store():
+    """A client of the job's c10d store of its own (the watchdog thread must not share one)."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+
+
+def describe(progress: int) -> str:
+    step, rest = divmod(progress, 10_000)
+    micro, phase = divmod(rest, 10)
+    where = PHASES[phase] if phase < len(PHASES) else f"phase {phase}"
+    return f"step {step}, micro-batch {micro}, {where}"
+
+
+class Watchdog:
+    def __init__(self, timeout: float, rank: int, world_size: int, run_dir: Path | None, poll: float = 0.25):
+        self.timeout, self.rank, self.world_size, self.poll = timeout, rank, world_size, poll
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.progress, self.moved = 0, time.monotonic()
+        self.store, self.watch_store = _store(), _store()
+        # Keys of one attempt: the store outlives a restart, and an old alarm must not fire again.
+        self.prefix = f"gradmesh/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="gradmesh-watchdog", daemon=True)
+        self.thread.start()
+
+    def beat(self, step: int, phase: int, micro: int = 0) -> None:
+        self.progress, self.moved = step * 10_000 + micro * 10 + phase, time.monotonic()
+        if self.store:
+            self.store.set(f"{self.prefix}progress/{self.rank}", str(self.progress))
+
+    def pause(self) -> None:
+        """Not in a step (evaluation, checkpoint at the end): the clock stops."""
+        self.moved = float("inf")
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _alarm_raised(self) -> bool:
+        try:
+            return self.watch_store is not None and self.watch_store.check([f"{self.prefix}alarm"])
+        except Exception:  # the store went away with the job
+            return False
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(self.poll):
+            stalled = time.monotonic() - self.moved > self.timeout
+            if stalled or self._alarm_raised():
+                self._report(first=stalled and not self._alarm_raised())
+                return
+
+    def _others(self) -> dict[int, int]:
+        progress = {self.rank: self.progress}
+        for rank in range(self.world_size):
+            try:
+                progress[rank] = int(self.watch_store.get(f"{self.prefix}progress/{rank}"))
+            except Exception:
+                pass  # a rank that never reported: counted as not arrived below
+        return progress
+
+    def _report(self, first: bool) -> None:
+        if self.run_dir:
+            with open(self.run_dir / f"stacks-rank{self.rank}.txt", "w") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        if first and self.watch_store:
+            self.watch_store.set(f"{self.prefix}alarm", str(self.rank))
+        if first:
+            progress = self._others() if self.watch_store else {self.rank: self.progress}
+            ahead = max(progress.values())
+            behind = sorted(r for r in range(self.world_size) if progress.get(r, -1) < ahead)
+            named = ", ".join(f"rank {r} (at {describe(progress[r]) if r in progress else 'no step yet'})"
+                              for r in behind) or "none: every rank is stuck at the same point"
+            line = (f"gradmesh: hang detected by rank {self.rank}: no progress for {self.timeout:g} s "
+                    f"(--step-timeout) at {describe(self.progress)}; did not arrive: {named}; "
+                    f"Python stacks of every rank in {self.run_dir}/stacks-rank*.txt")
+            print(line, file=sys.stderr, flush=True)
+            if self.run_dir:
+                with open(self.run_dir / "faults.jsonl", "a") as f:
+                    f.write(json.dumps({"event": "hang", "detected_by": self.rank, "did_not_arrive": behind,
+                                        "progress": {str(r): describe(p) for r, p in progress.items()},
+                                        "time": time.time()}) + "\n")
+        time.sleep(2.0)  # let the other ranks see the alarm and write their stacks
+        os._exit(EXIT_HANG)

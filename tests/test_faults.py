@@ -1,0 +1,93 @@
+"""Fault tolerance (issue 5): injected kills and hangs are detected; restart recovery resumes
+from the latest checkpoint and ends with the same model as a fault-free run, each sample of
+each step consumed once (the per-step sample records equal the fault-free run's)."""
+
+import json
+import random
+
+import pytest
+
+from helpers import gradmesh, rel_l2, train, weights
+
+TOLERANCE = 1e-5
+ARGS = ["--max-steps", "20", "--global-batch-size", "16", "--checkpoint-every", "5", "--record-samples"]
+RESTART = ["--recovery", "restart", "--max-restarts", "3"]
+
+
+def records(run_dir, rank):
+    return [json.loads(line) for line in (run_dir / f"samples-rank{rank}.jsonl").read_text().splitlines()]
+
+
+def fired(run_dir):
+    return [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("fault-free")
+    train(run_dir, 2, *ARGS)
+    return run_dir
+
+
+def assert_same_as(run_dir, reference):
+    assert rel_l2(weights(run_dir), weights(reference)) <= TOLERANCE
+    for rank in (0, 1):  # exactly once: the same indices at the same steps, no step twice
+        assert records(run_dir, rank) == records(reference, rank)
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 21))
+
+
+def test_kill_at_a_seeded_random_step_is_survived_by_restart(fault_free, tmp_path):
+    step = random.Random(20261202).randint(2, 19)
+    result = train(tmp_path, 2, *ARGS, *RESTART, "--inject", f"kill:rank=1,step={step}")
+    assert "injecting kill:rank=1" in result.stdout + result.stderr
+    assert [f["fault"] for f in fired(tmp_path)] == [f"kill:rank=1,step={step}"]
+    assert_same_as(tmp_path, fault_free)
+
+
+def test_kill_during_a_checkpoint_write_resumes_from_the_one_before(fault_free, tmp_path):
+    train(tmp_path, 2, *ARGS, *RESTART, "--inject", "kill:rank=0,step=10,at=checkpoint")
+    assert fired(tmp_path)[0]["fault"] == "kill:rank=0,step=10,at=checkpoint"
+    assert_same_as(tmp_path, fault_free)
+
+
+def test_two_failures_one_of_them_rank_0(fault_free, tmp_path):
+    train(tmp_path, 2, *ARGS, *RESTART, "--inject", "kill:rank=1,step=7", "--inject", "kill:rank=0,step=13")
+    assert [f["fault"] for f in fired(tmp_path)] == ["kill:rank=1,step=7", "kill:rank=0,step=13"]
+    assert_same_as(tmp_path, fault_free)
+
+
+def test_a_hang_is_detected_and_the_hung_rank_named(tmp_path):
+    timeout = 3
+    result = train(tmp_path, 2, *ARGS, "--step-timeout", str(timeout), "--inject", "hang:rank=1,step=4", check=False)
+    assert result.returncode != 0
+    assert "did not arrive: rank 1 (at step 3" in result.stderr, result.stderr
+    assert "the run hung" in result.stderr
+    injected, hang = fired(tmp_path)
+    assert hang["event"] == "hang" and hang["did_not_arrive"] == [1]
+    assert hang["time"] - injected["time"] <= timeout + 5
+    for rank in (0, 1):  # every rank's Python stacks, the hung one inside the injected fault
+        assert "Thread" in (tmp_path / f"stacks-rank{rank}.txt").read_text()
+    assert "before_step" in (tmp_path / "stacks-rank1.txt").read_text()
+
+
+def test_a_hang_under_restart_recovery_is_survived(fault_free, tmp_path):
+    train(tmp_path, 2, *ARGS, *RESTART, "--step-timeout", "3", "--inject", "hang:rank=0,step=8")
+    assert [f.get("event", "fault") for f in fired(tmp_path)] == ["fault", "hang"]
+    assert_same_as(tmp_path, fault_free)
+
+
+def test_without_recovery_a_kill_ends_the_run_naming_the_rank(tmp_path):
+    result = train(tmp_path, 2, *ARGS, "--inject", "kill:rank=1,step=3", check=False)
+    assert result.returncode == 1 and "worker rank 1" in result.stderr and "SIGKILL" in result.stderr
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("kill:rank=1", ["step >= 1"]),
+    ("explode:rank=0,step=2", ["expected kill:rank=R,step=N"]),
+    ("kill:rank=5,step=2", ["rank 5 does not exist", "0..1"]),
+])
+def test_bad_injections_are_refused_before_launch(tmp_path, spec, words):
+    result = gradmesh("train", "--nproc", "2", "--run-dir", str(tmp_path), "--inject", spec, timeout=60)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert all(w in result.stderr for w in words), result.stderr
