@@ -16,6 +16,7 @@ from gradmesh.fault import checkpoint
 from gradmesh.fault.inject import check_ranks, parse_faults
 
 RESTART_CHECKPOINT_EVERY = 10
+INPLACE_COLLECTIVE_TIMEOUT = 10.0
 
 # Command-line flag -> config key. Flags left out stay None and do not override.
 FLAG_KEYS = {
@@ -98,7 +99,8 @@ def build_parser() -> Parser:
     run.add_argument("--record-samples", action="store_true", default=None, help="log each rank's sample indices per step")
     faults = train.add_argument_group("failures")
     faults.add_argument("--recovery", choices=configuration.RECOVERY,
-                        help="restart: on a failure every worker restarts from the latest checkpoint (default none)")
+                        help="restart: every worker restarts from the latest checkpoint; inplace: the survivors "
+                             "go on from the current step (ddp, one machine) (default none)")
     faults.add_argument("--max-restarts", type=int, metavar="K", help="restarts allowed under --recovery restart (default 3)")
     faults.add_argument("--step-timeout", type=float, metavar="SECONDS",
                         help="declare a hang when a step makes no progress this long: stacks dumped, ranks named (default off)")
@@ -211,6 +213,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if "pp" in mesh:
         _check_pipeline(cfg, mesh)
     check_ranks(parse_faults(cfg.fault.inject), world)
+    if cfg.fault.recovery == "inplace" and (set(mesh) != {"dp"} or cfg.train.strategy != "ddp" or cfg.launch.nnodes > 1):
+        raise UsageError("--recovery inplace supports --strategy ddp on one machine (a lost rank's shard of "
+                         "sharded, tensor- or pipeline-parallel state is gone); use --recovery restart")
     if cfg.fault.recovery == "restart" and not cfg.checkpoint.every:
         cfg.checkpoint.every = RESTART_CHECKPOINT_EVERY  # a restart must have something recent to resume
     workloads.check_inputs(cfg)
@@ -222,7 +227,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     config_path = run_dir / "config.toml"
     config_path.write_text(cfg.to_toml())
     restarts = cfg.fault.max_restarts if cfg.fault.recovery == "restart" else 0
-    return run_workers(cfg.launch, nproc, ["-m", "gradmesh.worker", str(config_path)], max_restarts=restarts)
+    return run_workers(cfg.launch, nproc, ["-m", "gradmesh.worker", str(config_path)], max_restarts=restarts,
+                       inplace=(cfg.fault.step_timeout or INPLACE_COLLECTIVE_TIMEOUT) if cfg.fault.recovery == "inplace" else 0.0)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -167,7 +167,7 @@ class CheckpointConfig:
         _positive("checkpoint", "keep", self.keep, allow_zero=True)
 
 
-RECOVERY = ("none", "restart")
+RECOVERY = ("none", "restart", "inplace")
 
 
 @dataclass(kw_only=True)
@@ -175,7 +175,8 @@ class FaultConfig:
     """Surviving failures: detection, recovery, and injected faults for testing them."""
 
     recovery: str = "none"
-    """none (a failure ends the run) or restart (every worker restarts from the latest checkpoint)."""
+    """none (a failure ends the run), restart (every worker restarts from the latest checkpoint) or
+    inplace (the survivors rebuild their group and go on from the current step; ddp, one machine)."""
     max_restarts: int = 3
     """Restarts allowed under recovery=restart before the run fails."""
     step_timeout: float = 0.0

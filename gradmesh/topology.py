@@ -48,7 +48,7 @@ def threads_per_worker(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_world_size)
 
 
-def _attempt_store() -> "dist.Store | None":
+def _attempt_store(generation: int = 0) -> "dist.Store | None":
     """Under torch elastic's agent store, the job's store namespaced by restart attempt.
 
     The agent keeps one store across restarts, and the workers' process groups publish their
@@ -61,7 +61,15 @@ def _attempt_store() -> "dist.Store | None":
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                            timeout=timedelta(minutes=30))
-    return dist.PrefixStore(f"gradmesh/attempt-{attempt}", client)
+    return dist.PrefixStore(f"gradmesh/attempt-{attempt}/generation-{generation}", client)
+
+
+def _collective_timeout() -> "timedelta | None":
+    """In-place recovery bounds how long a collective waits: a gloo collective whose ring
+    partner left the broken group (rather than died) blocks until this timeout; then it raises
+    and the rank regroups. None: torch's default (30 minutes)."""
+    seconds = os.environ.get("GRADMESH_COLLECTIVE_TIMEOUT")
+    return timedelta(seconds=float(seconds)) if seconds else None
 
 
 @dataclass
@@ -149,11 +157,25 @@ class Topology:
                 world_size=self.world_size,
                 device_id=self.device if self.device_type == "cuda" else None,
                 store=_attempt_store(),
+                timeout=_collective_timeout(),
             )
         names = tuple(self.mesh_shape)
         self.mesh = init_device_mesh(
             self.device_type, tuple(self.mesh_shape[n] for n in names), mesh_dim_names=names
         )
+        return self
+
+    def rejoin(self, rank: int, world_size: int, generation: int) -> "Topology":
+        """In-place recovery: leave the broken process group and form one over the survivors."""
+        try:  # abort, not destroy: torch's bail-out for groups that lost a peer (it resets group names too)
+            dist.distributed_c10d._abort_process_group()
+        except Exception:
+            pass
+        self.rank, self.world_size, self.mesh_shape = rank, world_size, {"dp": world_size}
+        dist.init_process_group(backend=self.backend, rank=rank, world_size=world_size,
+                                device_id=self.device if self.device_type == "cuda" else None,
+                                store=_attempt_store(generation), timeout=_collective_timeout())
+        self.mesh = init_device_mesh(self.device_type, (world_size,), mesh_dim_names=("dp",))
         return self
 
     def stop(self) -> None:

@@ -26,7 +26,7 @@ import torch.nn as nn
 from gradmesh import rundir
 from gradmesh.config import CheckpointConfig, FaultConfig, TrainConfig
 from gradmesh.data import GlobalOrderSampler, fetch
-from gradmesh.fault import checkpoint
+from gradmesh.fault import checkpoint, inplace
 from gradmesh.fault.inject import Injector, parse_faults
 from gradmesh.fault.watchdog import Watchdog
 from gradmesh.errors import UsageError
@@ -135,11 +135,12 @@ class Trainer:
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
         self.progress = TrainingProgress(self.train.max_steps, enabled=self.topo.is_main and not quiet)
         self.quiet = quiet
-        # Ranks holding the same loss (tensor parallel) count it once; pipeline stages other
-        # than the last report none.
-        replicas = self.topo.world_size // self.topo.dp_size // self.topo.mesh_shape.get("pp", 1)
-        self.reporter = StepReporter(self.topo.world_size, replicas,
-                                     self.train.log_every,
+        self._start_reporting()
+        self.membership = inplace.Membership(self._job_store(), self._job_store()) if inplace.enabled() else None
+
+    def _start_reporting(self) -> None:
+        """The step reporter and the checkpointer: each has a process group of its own (collective)."""
+        self.reporter = StepReporter(self.topo.world_size, self.train.log_every,
                                      self.run_dir / "metrics.jsonl" if self.run_dir and self.topo.is_main else None,
                                      on_record=self._show)
         self.checkpointer = None
@@ -147,6 +148,10 @@ class Trainer:
             self.checkpointer = checkpoint.Checkpointer(self.run_dir, self.strategy, self.checkpointing.keep,
                                                         self.checkpointing.async_save,
                                                         on_written=self.injector.at_checkpoint)
+
+    @staticmethod
+    def _job_store():
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
 
     def _pipeline_options(self, criterion, optimizer_class, kwargs) -> PipelineOptions | None:
         if "pp" not in self.topo.mesh_shape:
@@ -187,10 +192,10 @@ class Trainer:
             group["lr"] = base * factor
         return self.optimizer.param_groups[0]["lr"]
 
-    def _forward_backward(self, batch) -> torch.Tensor:
-        """Gradients of one global batch's share; returns the share's loss sum."""
+    def _forward_backward(self, batch) -> tuple[torch.Tensor, int]:
+        """Gradients of one global batch's share; returns the share's loss sum and sample count."""
         runs = self._micro_batches(batch)
-        loss_sum = torch.zeros((), device=self.topo.device)
+        loss_sum, counted = torch.zeros((), device=self.topo.device), 0
         for i, (indices, weight) in enumerate(runs):
             data = self._to_device(fetch(self.dataset, indices))
             with grad_sync(self.model, self.strategy, last_micro_batch=i == len(runs) - 1):
@@ -200,29 +205,31 @@ class Trainer:
             self._beat(2, i)
             if weight:
                 loss_sum += losses.detach().sum()
-        return loss_sum
+                counted += len(indices)
+        return loss_sum, counted
 
-    def _pipeline_forward_backward(self, batch) -> torch.Tensor:
+    def _pipeline_forward_backward(self, batch) -> tuple[torch.Tensor, int]:
         """The share padded to a fixed size with weight-0 samples, run by the pipeline schedule."""
         indices = [i for m in batch.micro_batches for i in m]
         pad = self._pipeline_rows - len(indices)
         weights = torch.tensor([self.topo.dp_size / batch.size] * len(indices) + [0.0] * pad, device=self.topo.device)
         inputs, targets = self._to_device(fetch(self.dataset, indices + [batch.indices[0]] * pad))
         with grad_sync(self.model, self.strategy, last_micro_batch=True):
-            return torch.tensor(self.pipeline.step(inputs, targets, weights))
+            loss_sum = torch.tensor(self.pipeline.step(inputs, targets, weights))
+        return loss_sum, len(indices) if self.pipeline.is_last else 0
 
     def _step(self, batch) -> torch.Tensor:
         """One optimizer step; returns this rank's figures for the step reporter."""
         if self.pipeline:
-            loss_sum = self._pipeline_forward_backward(batch)
+            loss_sum, counted = self._pipeline_forward_backward(batch)
         else:
-            loss_sum = self._forward_backward(batch)
+            loss_sum, counted = self._forward_backward(batch)
         if self.train.grad_clip:
             clip_gradients(self.model, self.train.grad_clip)
         self.optimizer.step()
         self._beat(3)
         # Measured here, where parameters, gradients and optimizer state all exist.
-        figures = torch.tensor([0.0, model_state_bytes(self.model, self.optimizer),
+        figures = torch.tensor([0.0, counted, model_state_bytes(self.model, self.optimizer),
                                 peak_memory_bytes(self.topo.device)], dtype=torch.float64)
         figures[0] = loss_sum.detach().to("cpu", torch.float64)
         self.optimizer.zero_grad(set_to_none=True)
@@ -249,14 +256,13 @@ class Trainer:
             self.watchdog = Watchdog(self.faults.step_timeout, self.topo.rank, self.topo.world_size, self.run_dir)
         elapsed = 0.0
         for step in range(start_step + 1, self.train.max_steps + 1):
-            self.injector.before_step(step)
             self.step_now = step
             self._beat(0)
-            batch = self.sampler.next_batch(self.topo.dp_rank, self.topo.dp_size, self.train.grad_accum)
+            self.injector.before_step(step)
             tic = time.perf_counter()
             self.injector.slow_down(elapsed)
             lr = self._set_lr()
-            figures = self._step(batch)
+            batch, figures = self._recoverable_step()
             elapsed = time.perf_counter() - tic
             train_time += elapsed
             samples += batch.size
@@ -278,6 +284,51 @@ class Trainer:
             records.close()
         self.progress.close()
         return self._finish(loss, samples, time.perf_counter() - wall_start, train_time, start_step)
+
+    def _recoverable_step(self):
+        """One step; under in-place recovery, a failed collective rebuilds the group and redoes it."""
+        while True:
+            position = self.sampler.state_dict()
+            try:
+                batch = self.sampler.next_batch(self.topo.dp_rank, self.topo.dp_size, self.train.grad_accum)
+                return batch, self._step(batch)
+            except RuntimeError as err:  # gloo reports a lost peer as a RuntimeError subclass
+                if self.membership is None:
+                    raise
+                self.sampler.load_state_dict(position)
+                while True:
+                    try:
+                        self._rejoin(err)
+                        break
+                    except RuntimeError as again:  # another loss while regrouping: the next generation
+                        err = again
+
+    def _rejoin(self, err: Exception) -> None:
+        """Survivors form a new group and take over the lost rank's share of the same global batch.
+
+        Parameters and optimizer state are untouched (the failed step never reached the
+        optimizer); the sampler is back at the failed step, which now splits over fewer ranks.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        members = self.membership.next()
+        if self.membership.identity not in members:
+            raise err
+        pending = self.reporter.abandon()
+        rank, world = members.index(self.membership.identity), len(members)
+        self.membership.gather(members)
+        self.topo.rejoin(rank, world, self.membership.generation)
+        self.model = apply_strategy(self.model.module, self.topo, self.strategy)
+        where = torch.tensor([self.sampler.step, -self.sampler.step], dtype=torch.int64)
+        dist.all_reduce(where, op=dist.ReduceOp.MIN)
+        if where[0].item() != -where[1].item():
+            raise RuntimeError("in-place recovery: the survivors stopped at different steps; use --recovery restart")
+        self._start_reporting()
+        self.reporter.resend(pending)
+        self.progress.enabled = self.topo.is_main and not self.quiet
+        if self.watchdog:
+            self.watchdog.ranks = members
+        self.progress.note(f"gradmesh: in-place recovery: {world} rank(s) go on from step {self.sampler.step + 1} "
+                           f"(generation {self.membership.generation}; rank {self.membership.identity} is now rank {rank})")
 
     def _beat(self, phase: int, micro: int = 0) -> None:
         if self.watchdog:

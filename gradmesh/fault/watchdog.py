@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from gradmesh.fault import inplace
+
 EXIT_HANG = 3
 PHASES = ("started", "forward done", "backward done", "optimizer done")
 
@@ -48,6 +50,9 @@ class Watchdog:
         self.store, self.watch_store = _store(), _store()
         # Keys of one attempt: the store outlives a restart, and an old alarm must not fire again.
         self.prefix = f"gradmesh/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.inplace = inplace.enabled()
+        self.ranks = list(range(world_size))
+        """Original ranks still in the job (in-place recovery drops lost ones)."""
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="gradmesh-watchdog", daemon=True)
         self.thread.start()
@@ -73,13 +78,24 @@ class Watchdog:
     def _watch(self) -> None:
         while not self.stopped.wait(self.poll):
             stalled = time.monotonic() - self.moved > self.timeout
-            if stalled or self._alarm_raised():
+            if self.inplace:  # no job-wide alarm: the survivors must stay
+                if stalled:
+                    self._stand_by_or_leave()
+            elif stalled or self._alarm_raised():
                 self._report(first=stalled and not self._alarm_raised())
                 return
 
+    def _stand_by_or_leave(self) -> None:
+        """In-place recovery: the ranks that did not arrive leave; the rest wait to regroup."""
+        progress = self._others()
+        ahead = max(progress.values())
+        if self.progress < ahead:
+            self._report(first=True)
+        self.moved = time.monotonic()  # waiting on the missing rank: re-arm
+
     def _others(self) -> dict[int, int]:
         progress = {self.rank: self.progress}
-        for rank in range(self.world_size):
+        for rank in self.ranks:
             try:
                 progress[rank] = int(self.watch_store.get(f"{self.prefix}progress/{rank}"))
             except Exception:
@@ -90,12 +106,12 @@ class Watchdog:
         if self.run_dir:
             with open(self.run_dir / f"stacks-rank{self.rank}.txt", "w") as f:
                 faulthandler.dump_traceback(file=f, all_threads=True)
-        if first and self.watch_store:
+        if first and self.watch_store and not self.inplace:
             self.watch_store.set(f"{self.prefix}alarm", str(self.rank))
         if first:
             progress = self._others() if self.watch_store else {self.rank: self.progress}
             ahead = max(progress.values())
-            behind = sorted(r for r in range(self.world_size) if progress.get(r, -1) < ahead)
+            behind = sorted(r for r in self.ranks if progress.get(r, -1) < ahead)
             named = ", ".join(f"rank {r} (at {describe(progress[r]) if r in progress else 'no step yet'})"
                               for r in behind) or "none: every rank is stuck at the same point"
             line = (f"gradmesh: hang detected by rank {self.rank}: no progress for {self.timeout:g} s "

@@ -41,11 +41,18 @@ def describe_failure(err: ChildFailedError) -> str:
     return f"gradmesh: worker rank {rank} (pid {failure.pid}) {how}; its traceback, if it left one, is above"
 
 
-def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restarts: int = 0) -> int:
-    """Run `target` (['-m', module, ...] or [script, ...]) on nproc local workers; exit code."""
+def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restarts: int = 0,
+                inplace: float = 0.0) -> int:
+    """Run `target` (['-m', module, ...] or [script, ...]) on nproc local workers; exit code.
+
+    `inplace` > 0: in-place recovery's launcher, collectives waiting at most that many seconds."""
     # torchrun's own default is one thread per worker; dividing the cores is faster when
     # fewer workers than cores run here. A user's OMP_NUM_THREADS wins.
     os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
+    if inplace:
+        from gradmesh.launch.inplace import run_inplace
+
+        return run_inplace(nproc, target, collective_timeout=inplace)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     args = torchrun.parse_args(torchrun_args(launch, nproc, max_restarts) + target)
     try:
