@@ -1,5 +1,6 @@
 """The run directory (DESIGN.md contract 6): what a run writes, and starting one afresh."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ def ensure_writable(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".gradmesh-write-test"
+        probe = run_dir / f".gradmesh-write-test-{os.getpid()}"  # launchers of several nodes may probe at once
         probe.write_text("")
         probe.unlink()
     except OSError as exc:

@@ -261,8 +261,7 @@ class Trainer:
             self.injector.before_step(step)
             tic = time.perf_counter()
             self.injector.slow_down(elapsed)
-            lr = self._set_lr()
-            batch, figures = self._recoverable_step()
+            batch, lr, figures = self._recoverable_step()
             elapsed = time.perf_counter() - tic
             train_time += elapsed
             samples += batch.size
@@ -291,7 +290,8 @@ class Trainer:
             position = self.sampler.state_dict()
             try:
                 batch = self.sampler.next_batch(self.topo.dp_rank, self.topo.dp_size, self.train.grad_accum)
-                return batch, self._step(batch)
+                lr = self._set_lr()  # a function of the step the sampler is now at
+                return batch, lr, self._step(batch)
             except RuntimeError as err:  # gloo reports a lost peer as a RuntimeError subclass
                 if self.membership is None:
                     raise
