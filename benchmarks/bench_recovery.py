@@ -58,8 +58,11 @@ def measure(name: str, nproc: int, flags: list[str]) -> dict:
         train(clean, nproc, *checkpoints)
         train(faulty, nproc, *flags, "--inject", f"kill:rank=1,step={KILL_STEP}")
         kill = lines(faulty / "faults.jsonl")[0]["time"]
-        # The first step finished after the kill is the first one the restarted workers did.
-        first = min((row for row in lines(faulty / "metrics.jsonl") if row["time"] > kill), key=lambda r: r["time"])
+        after = [row for row in lines(faulty / "metrics.jsonl") if row["time"] > kill]
+        if "inplace" in flags:  # the survivors redo the interrupted step
+            first = next(row for row in after if row["step"] == KILL_STEP)
+        else:  # the restarted workers begin after the checkpoint they resumed
+            first = min(after, key=lambda row: row["step"])
         resumed = first["step"] - 1
         a, b = load_file(str(faulty / "model.safetensors")), load_file(str(clean / "model.safetensors"))
         clean_time = json.loads((clean / "summary.json").read_text())["wall_s"]
