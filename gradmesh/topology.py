@@ -48,6 +48,17 @@ def threads_per_worker(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_world_size)
 
 
+def job_store(timeout: timedelta = timedelta(minutes=30)) -> "dist.TCPStore | None":
+    """A new client of the job's c10d store (MASTER_ADDR:MASTER_PORT); None outside a launched job.
+
+    Each user (process group set-up, watchdog thread, membership thread) gets its own client:
+    one client is not shared between threads."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+
+
 def _attempt_store(generation: int = 0) -> "dist.Store | None":
     """Under torch elastic's agent store, the job's store namespaced by restart attempt.
 
@@ -59,9 +70,7 @@ def _attempt_store(generation: int = 0) -> "dist.Store | None":
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=timedelta(minutes=30))
-    return dist.PrefixStore(f"gradmesh/attempt-{attempt}/generation-{generation}", client)
+    return dist.PrefixStore(f"gradmesh/attempt-{attempt}/generation-{generation}", job_store())
 
 
 def _collective_timeout() -> "timedelta | None":

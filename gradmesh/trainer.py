@@ -35,7 +35,7 @@ from gradmesh.monitor.reporter import StepRecord, StepReporter
 from gradmesh.parallel import (apply_strategy, build_optimizer, clip_gradients, grad_sync, model_state_bytes,
                                resolve_strategy)
 from gradmesh.parallel.pipeline import PipelineOptions, padded_rows
-from gradmesh.topology import Topology
+from gradmesh.topology import Topology, job_store
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
 OptimizerSpec = tuple[type[torch.optim.Optimizer], dict]
@@ -136,7 +136,7 @@ class Trainer:
         self.progress = TrainingProgress(self.train.max_steps, enabled=self.topo.is_main and not quiet)
         self.quiet = quiet
         self._start_reporting()
-        self.membership = inplace.Membership(self._job_store(), self._job_store()) if inplace.enabled() else None
+        self.membership = inplace.Membership(job_store(), job_store()) if inplace.enabled() else None
 
     def _start_reporting(self) -> None:
         """The step reporter and the checkpointer: each has a process group of its own (collective)."""
@@ -148,10 +148,6 @@ class Trainer:
             self.checkpointer = checkpoint.Checkpointer(self.run_dir, self.strategy, self.checkpointing.keep,
                                                         self.checkpointing.async_save,
                                                         on_written=self.injector.at_checkpoint)
-
-    @staticmethod
-    def _job_store():
-        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
 
     def _pipeline_options(self, criterion, optimizer_class, kwargs) -> PipelineOptions | None:
         if "pp" not in self.topo.mesh_shape:

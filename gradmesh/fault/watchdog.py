@@ -22,17 +22,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from gradmesh.fault import inplace
+from gradmesh.topology import job_store
 
 EXIT_HANG = 3
 PHASES = ("started", "forward done", "backward done", "optimizer done")
-
-
-def _store():
-    """A client of the job's c10d store of its own (the watchdog thread must not share one)."""
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not host or not port:
-        return None
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
 
 
 def describe(progress: int) -> str:
@@ -47,7 +40,7 @@ class Watchdog:
         self.timeout, self.rank, self.world_size, self.poll = timeout, rank, world_size, poll
         self.run_dir = Path(run_dir) if run_dir else None
         self.progress, self.moved = 0, time.monotonic()
-        self.store, self.watch_store = _store(), _store()
+        self.store, self.watch_store = job_store(timedelta(seconds=5)), job_store(timedelta(seconds=5))
         # Keys of one attempt: the store outlives a restart, and an old alarm must not fire again.
         self.prefix = f"gradmesh/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.inplace = inplace.enabled()
