@@ -101,7 +101,7 @@ def build_parser() -> Parser:
     faults.add_argument("--recovery", choices=configuration.RECOVERY,
                         help="restart: every worker restarts from the latest checkpoint; inplace: the survivors "
                              "go on from the current step (ddp, one machine) (default none)")
-    faults.add_argument("--max-restarts", type=int, metavar="K", help="restarts allowed under --recovery restart (default 3)")
+    faults.add_argument("--max-restarts", type=int, metavar="K", help="restart: worker-group restarts allowed; inplace: replacement workers started for lost ones (default 3)")
     faults.add_argument("--step-timeout", type=float, metavar="SECONDS",
                         help="declare a hang when a step makes no progress this long: stacks dumped, ranks named (default off)")
     faults.add_argument("--inject", action="append", metavar="FAULT",
@@ -226,7 +226,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         _start_fresh(run_dir, cfg.run.quiet)
     config_path = run_dir / "config.toml"
     config_path.write_text(cfg.to_toml())
-    restarts = cfg.fault.max_restarts if cfg.fault.recovery == "restart" else 0
+    restarts = cfg.fault.max_restarts if cfg.fault.recovery != "none" else 0
     return run_workers(cfg.launch, nproc, ["-m", "gradmesh.worker", str(config_path)], max_restarts=restarts,
                        inplace=(cfg.fault.step_timeout or INPLACE_COLLECTIVE_TIMEOUT) if cfg.fault.recovery == "inplace" else 0.0)
 

@@ -178,7 +178,8 @@ class FaultConfig:
     """none (a failure ends the run), restart (every worker restarts from the latest checkpoint) or
     inplace (the survivors rebuild their group and go on from the current step; ddp, one machine)."""
     max_restarts: int = 3
-    """Restarts allowed under recovery=restart before the run fails."""
+    """recovery=restart: restarts of the worker group allowed before the run fails.
+    recovery=inplace: replacement workers started for lost ones (they join the running job)."""
     step_timeout: float = 0.0
     """Seconds a step may take before the run is declared hung (stacks dumped, ranks named); 0: off."""
     inject: str = ""

@@ -30,6 +30,13 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+def local_device(requested: str) -> torch.device:
+    """This worker's device before its process group exists (from LOCAL_RANK)."""
+    if resolve_device(requested) == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
@@ -92,6 +99,7 @@ class Topology:
     device_type: str
     mesh_shape: dict[str, int] = field(default_factory=dict)
     mesh: DeviceMesh | None = None
+    retired: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -154,8 +162,10 @@ class Topology:
             mesh_shape=dict(mesh_shape or {}),
         )
 
-    def start(self) -> "Topology":
-        """Create the process group and the named device mesh (world size 1 included)."""
+    def start(self, generation: int = 0) -> "Topology":
+        """Create the process group and the named device mesh (world size 1 included).
+
+        `generation`: in-place recovery's membership generation a replacement worker joins."""
         torch.set_num_threads(threads_per_worker(self.local_world_size))
         if self.device_type == "cuda":
             torch.cuda.set_device(self.local_rank)
@@ -165,7 +175,7 @@ class Topology:
                 rank=self.rank,
                 world_size=self.world_size,
                 device_id=self.device if self.device_type == "cuda" else None,
-                store=_attempt_store(),
+                store=_attempt_store(generation),
                 timeout=_collective_timeout(),
             )
         names = tuple(self.mesh_shape)
@@ -175,16 +185,15 @@ class Topology:
         return self
 
     def rejoin(self, rank: int, world_size: int, generation: int) -> "Topology":
-        """In-place recovery: leave the broken process group and form one over the survivors."""
-        try:  # abort, not destroy: torch's bail-out for groups that lost a peer (it resets group names too)
-            dist.distributed_c10d._abort_process_group()
-        except Exception:
-            pass
+        """In-place recovery: leave the current process groups and form one over the new members.
+
+        The old groups are deregistered but kept alive in `retired`: a collective of a group
+        that lost a peer may still be blocked in gloo until its timeout, and destroying the
+        group's C++ object under it was seen to crash the process."""
+        self.retired.append([group for group in dist.distributed_c10d._world.pg_map])
+        dist.destroy_process_group()
         self.rank, self.world_size, self.mesh_shape = rank, world_size, {"dp": world_size}
-        dist.init_process_group(backend=self.backend, rank=rank, world_size=world_size,
-                                device_id=self.device if self.device_type == "cuda" else None,
-                                store=_attempt_store(generation), timeout=_collective_timeout())
-        self.mesh = init_device_mesh(self.device_type, (world_size,), mesh_dim_names=("dp",))
+        self.start(generation)
         return self
 
     def stop(self) -> None:

@@ -26,7 +26,9 @@ import torch.nn as nn
 from gradmesh import rundir
 from gradmesh.config import CheckpointConfig, FaultConfig, TrainConfig
 from gradmesh.data import GlobalOrderSampler, fetch
+from gradmesh.comm import hooks
 from gradmesh.fault import checkpoint, inplace
+from gradmesh.fault.handover import hand_over
 from gradmesh.fault.inject import Injector, parse_faults
 from gradmesh.fault.watchdog import Watchdog
 from gradmesh.errors import UsageError
@@ -35,7 +37,7 @@ from gradmesh.monitor.reporter import StepRecord, StepReporter
 from gradmesh.parallel import (apply_strategy, build_optimizer, clip_gradients, grad_sync, model_state_bytes,
                                resolve_strategy)
 from gradmesh.parallel.pipeline import PipelineOptions, padded_rows
-from gradmesh.topology import Topology, job_store
+from gradmesh.topology import Topology, job_store, resolve_device
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
 OptimizerSpec = tuple[type[torch.optim.Optimizer], dict]
@@ -44,8 +46,20 @@ OptimizerSpec = tuple[type[torch.optim.Optimizer], dict]
 class Session:
     """A started topology: what `gradmesh.init()` returns."""
 
-    def __init__(self, topology: Topology):
+    def __init__(self, topology: Topology, membership: "inplace.Membership | None" = None):
         self.topology = topology
+        self.membership = membership
+        """In-place recovery's view of the job (None without --recovery inplace)."""
+
+    @property
+    def identity(self) -> int:
+        """The rank this worker was started as (it keeps it when in-place recovery renumbers ranks)."""
+        return self.membership.identity if self.membership else self.topology.rank
+
+    @property
+    def joined(self) -> bool:
+        """A replacement worker admitted into a running job (its state comes from a live peer)."""
+        return bool(self.membership and self.membership.identity in self.membership.newcomers)
 
     @property
     def rank(self) -> int:
@@ -80,7 +94,23 @@ def init(device: str = "auto", mesh: dict[str, int] | None = None, seed: int = 0
     and at every world size.
     """
     torch.manual_seed(seed)
-    return Session(Topology.from_env(device=device, mesh_shape=mesh).start())
+    if not inplace.enabled():
+        return Session(Topology.from_env(device=device, mesh_shape=mesh).start())
+    membership = inplace.Membership(job_store(), job_store())
+    if not inplace.joining():
+        return Session(Topology.from_env(device=device, mesh_shape=mesh).start(), membership)
+    while True:  # a replacement worker: wait to be admitted, then form the group with the members
+        members = membership.wait_for_admission()
+        try:
+            membership.gather()
+            break
+        except inplace.Regroup:
+            continue
+    env = os.environ
+    topology = Topology(rank=members.index(membership.identity), world_size=len(members),
+                        local_rank=int(env.get("LOCAL_RANK", 0)), local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+                        device_type=resolve_device(device), mesh_shape={"dp": len(members)})
+    return Session(topology.start(membership.generation), membership)
 
 
 def optimizer_spec(train: TrainConfig) -> "OptimizerSpec":
@@ -120,7 +150,8 @@ class Trainer:
         self.faults = faults or FaultConfig()
         # Set by torch elastic: > 0 when this worker group was restarted after a failure.
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        self.injector = Injector(parse_faults(self.faults.inject), self.topo.rank, run_dir)
+        self.membership, self.identity = session.membership, session.identity
+        self.injector = Injector(parse_faults(self.faults.inject), self.identity, run_dir)
         self.watchdog = None
         self.loss_fn, self.dataset, self.eval_fn = loss_fn, dataset, eval_fn
         self.run_dir = Path(run_dir) if run_dir else None
@@ -129,6 +160,7 @@ class Trainer:
         pipeline_options = self._pipeline_options(criterion, optimizer_class, kwargs)
         self.strategy = resolve_strategy(self.train.strategy, self.topo, pipeline_options)
         self.model = session.prepare(model, self.strategy)
+        self._register_hooks()
         self.pipeline = getattr(self.model, "pipeline", None)
         self.optimizer = build_optimizer(self.model, self.topo, self.strategy, optimizer_class, kwargs)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
@@ -136,13 +168,15 @@ class Trainer:
         self.progress = TrainingProgress(self.train.max_steps, enabled=self.topo.is_main and not quiet)
         self.quiet = quiet
         self._start_reporting()
-        self.membership = inplace.Membership(job_store(), job_store()) if inplace.enabled() else None
+        self.joined = session.joined
+        if self.joined:
+            self._after_regroup([])
 
     def _start_reporting(self) -> None:
         """The step reporter and the checkpointer: each has a process group of its own (collective)."""
         self.reporter = StepReporter(self.topo.world_size, self.train.log_every,
                                      self.run_dir / "metrics.jsonl" if self.run_dir and self.topo.is_main else None,
-                                     on_record=self._show)
+                                     on_record=self._show, membership=self.session.membership)
         self.checkpointer = None
         if self.run_dir:
             self.checkpointer = checkpoint.Checkpointer(self.run_dir, self.strategy, self.checkpointing.keep,
@@ -234,7 +268,7 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------
 
     def fit(self) -> dict:
-        if self.run_dir and self.topo.is_main:
+        if self.run_dir and self.topo.is_main and not self.joined:
             rundir.ensure_writable(self.run_dir)
             if not (self.checkpointing.resume or self.restarted):
                 rundir.clear_previous_run(self.run_dir)
@@ -242,23 +276,29 @@ class Trainer:
                 (self.run_dir / "pipeline.json").write_text(json.dumps(self.pipeline.plan, indent=1))
         if self.pipeline and self.topo.is_main and not self.quiet:
             print_pipeline_plan(self.pipeline.plan)
-        dist.barrier()
-        start_step = self._maybe_resume()
+        if self.joined:  # a replacement: the state came from a live peer
+            start_step = self.sampler.step
+        else:
+            dist.barrier()
+            start_step = self._maybe_resume()
         self.progress.start = start_step
         samples = self._samples_before(start_step)
         wall_start, train_time, loss = time.perf_counter(), 0.0, float("nan")
         records = self._open_rank_file("samples") if self.train.record_samples else None
         if self.faults.step_timeout:
-            self.watchdog = Watchdog(self.faults.step_timeout, self.topo.rank, self.topo.world_size, self.run_dir)
-        elapsed = 0.0
+            self.watchdog = Watchdog(self.faults.step_timeout, self.identity, self.topo.world_size, self.run_dir)
+            if self.membership:
+                self.watchdog.ranks = list(self.membership.members)
+        own_time = 0.0
         for step in range(start_step + 1, self.train.max_steps + 1):
             self.step_now = step
             self._beat(0)
             self.injector.before_step(step)
             tic = time.perf_counter()
-            self.injector.slow_down(elapsed)
+            slept = self.injector.slow_down(own_time)
             batch, lr, figures = self._recoverable_step()
             elapsed = time.perf_counter() - tic
+            own_time = elapsed - slept
             train_time += elapsed
             samples += batch.size
             self.reporter.add(StepRecord(step, batch.epoch, batch.size, samples, lr, elapsed, figures))
@@ -273,6 +313,8 @@ class Trainer:
                 self.save_checkpoint(step)
         if self.watchdog:
             self.watchdog.stop()
+        if self.membership:
+            self.membership.finish()
         self.reporter.flush()
         loss = self.history[-1]["loss"] if self.history else float("nan")
         if records:
@@ -280,9 +322,18 @@ class Trainer:
         self.progress.close()
         return self._finish(loss, samples, time.perf_counter() - wall_start, train_time, start_step)
 
+    def _register_hooks(self) -> None:
+        if self.membership is not None:  # in-place recovery runs ddp only (checked by the CLI)
+            hooks.register(self.model, self.membership)
+
     def _recoverable_step(self):
-        """One step; under in-place recovery, a failed collective rebuilds the group and redoes it."""
+        """One step; under in-place recovery, a lost member makes the survivors regroup and redo
+        it, and replacement workers are admitted between steps."""
         while True:
+            if self.membership and self.membership.admits_now(self.sampler.step + 1, self.train.max_steps):
+                self.reporter.flush()  # every member is at this step boundary: nothing is lost
+                self.membership.next()
+                self._regroup(None)
             position = self.sampler.state_dict()
             try:
                 batch = self.sampler.next_batch(self.topo.dp_rank, self.topo.dp_size, self.train.grad_accum)
@@ -292,39 +343,51 @@ class Trainer:
                 if self.membership is None:
                     raise
                 self.sampler.load_state_dict(position)
-                while True:
-                    try:
-                        self._rejoin(err)
-                        break
-                    except RuntimeError as again:  # another loss while regrouping: the next generation
-                        err = again
+                self.optimizer.zero_grad(set_to_none=True)  # the failed step never reached the optimizer
+                self.membership.next()
+                self._regroup(err)
 
-    def _rejoin(self, err: Exception) -> None:
-        """Survivors form a new group and take over the lost rank's share of the same global batch.
+    def _regroup(self, err: Exception | None) -> None:
+        """Form the group of the membership's current generation and go on from the same step.
 
-        Parameters and optimizer state are untouched (the failed step never reached the
-        optimizer); the sampler is back at the failed step, which now splits over fewer ranks.
-        """
-        self.optimizer.zero_grad(set_to_none=True)
-        members = self.membership.next()
-        if self.membership.identity not in members:
-            raise err
+        After a loss, parameters and optimizer state are untouched (the failed step never
+        reached the optimizer) and the sampler is back at the failed step, which now splits
+        over fewer ranks; newcomers get the state from the new rank 0."""
+        membership = self.membership
+        while True:
+            if membership.identity not in membership.members:
+                raise err or RuntimeError("in-place recovery: this worker was dropped from the job")
+            try:
+                membership.gather()
+                break
+            except inplace.Regroup:  # another loss (or an admission) meanwhile: the newest generation
+                membership.next()
         pending = self.reporter.abandon()
-        rank, world = members.index(self.membership.identity), len(members)
-        self.membership.gather(members)
-        self.topo.rejoin(rank, world, self.membership.generation)
-        self.model = apply_strategy(self.model.module, self.topo, self.strategy)
+        rank, world = membership.members.index(self.identity), len(membership.members)
+        self.topo.retired.append(self.model)
+        self.topo.rejoin(rank, world, membership.generation)
+        self.model = apply_strategy(self.model.module, self.topo, self.strategy)  # rank 0's weights to all
+        self._register_hooks()
+        self._start_reporting()
+        self._after_regroup(pending)
+
+    def _after_regroup(self, pending: list[StepRecord]) -> None:
+        """Every member of a new group, the newcomers included, runs this in the same order."""
+        membership = self.membership
+        if membership.newcomers:
+            pending = hand_over(self, pending)
         where = torch.tensor([self.sampler.step, -self.sampler.step], dtype=torch.int64)
         dist.all_reduce(where, op=dist.ReduceOp.MIN)
         if where[0].item() != -where[1].item():
-            raise RuntimeError("in-place recovery: the survivors stopped at different steps; use --recovery restart")
-        self._start_reporting()
+            raise RuntimeError("in-place recovery: the members stopped at different steps; use --recovery restart")
         self.reporter.resend(pending)
         self.progress.enabled = self.topo.is_main and not self.quiet
         if self.watchdog:
-            self.watchdog.ranks = members
-        self.progress.note(f"gradmesh: in-place recovery: {world} rank(s) go on from step {self.sampler.step + 1} "
-                           f"(generation {self.membership.generation}; rank {self.membership.identity} is now rank {rank})")
+            self.watchdog.ranks = list(membership.members)
+        joined = f"; rank(s) {', '.join(map(str, membership.newcomers))} joined" if membership.newcomers else ""
+        self.progress.note(f"gradmesh: in-place recovery: {self.topo.world_size} rank(s) go on from step "
+                           f"{self.sampler.step + 1} (generation {membership.generation}{joined}; "
+                           f"rank {self.identity} is now rank {self.topo.rank})")
 
     def _beat(self, phase: int, micro: int = 0) -> None:
         if self.watchdog:
@@ -361,7 +424,7 @@ class Trainer:
     def _open_rank_file(self, kind: str):
         if not self.run_dir:
             return None
-        return open(self.run_dir / f"{kind}-rank{self.topo.rank}.jsonl", "a", buffering=1)
+        return open(self.run_dir / f"{kind}-rank{self.identity}.jsonl", "a", buffering=1)
 
     # -- checkpoints and the end of a run -----------------------------------------------------
 
@@ -399,7 +462,7 @@ class Trainer:
         """Records of steps after the checkpoint go: the resumed run does them again, once."""
         if self.topo.is_main:
             rundir.truncate_steps(self.run_dir / "metrics.jsonl", step)
-        rundir.truncate_steps(self.run_dir / f"samples-rank{self.topo.rank}.jsonl", step)
+        rundir.truncate_steps(self.run_dir / f"samples-rank{self.identity}.jsonl", step)
 
     def _finish(self, loss: float, samples: int, wall: float, train_time: float, start_step: int) -> dict:
         eval_metrics = self.evaluate()

@@ -9,7 +9,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from gradmesh import config as configuration
 from gradmesh import workloads
+from gradmesh.fault import inplace
 from gradmesh.parallel import mesh_for
+from gradmesh.topology import local_device
 from gradmesh.trainer import Trainer, init
 
 
@@ -40,11 +42,20 @@ def run_info(cfg: configuration.Config) -> dict:
 
 def train(cfg: configuration.Config) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    session = init(device=cfg.launch.device, seed=cfg.train.seed, mesh=mesh_for(cfg.train.strategy, world_size, cfg.train.mesh))
-    if session.rank != 0:
-        sys.stdout, sys.stderr = RankPrefixed(sys.stdout, session.rank), RankPrefixed(sys.stderr, session.rank)
+    workload = None
+    if inplace.joining():  # a replacement builds its model first: the members pause only for the hand-over
+        workload = workloads.build(cfg, local_device(cfg.launch.device))
+    try:
+        session = init(device=cfg.launch.device, seed=cfg.train.seed,
+                       mesh=mesh_for(cfg.train.strategy, world_size, cfg.train.mesh))
+    except inplace.RunFinished:
+        print(f"gradmesh: the run finished before the replacement for rank {os.environ.get('RANK')} could join",
+              file=sys.stderr)
+        return {}
+    if session.identity != 0:
+        sys.stdout, sys.stderr = RankPrefixed(sys.stdout, session.identity), RankPrefixed(sys.stderr, session.identity)
     run_dir = Path(cfg.run.dir)
-    workload = workloads.build(cfg, session.device)
+    workload = workload or workloads.build(cfg, session.device)
     trainer = Trainer(session, workload.model, workload.loss_fn, workload.train_data, train=cfg.train,
                       checkpointing=cfg.checkpoint, run_dir=run_dir, eval_fn=workload.eval_fn,
                       quiet=cfg.run.quiet, run_info=run_info(cfg), criterion=workload.criterion,

@@ -100,7 +100,7 @@ def assert_same_training(run_dir, reference):
     assert steps == list(range(1, 21))
 
 
-INPLACE = ["--recovery", "inplace"]
+INPLACE = ["--recovery", "inplace", "--max-restarts", "0"]  # no replacement workers unless a test asks
 
 
 @pytest.mark.parametrize("rank", [1, 0])
@@ -119,6 +119,25 @@ def test_inplace_recovery_survives_two_failures_at_four_ranks(fault_free, tmp_pa
 def test_inplace_recovery_survives_a_hang(fault_free, tmp_path):
     result = train(tmp_path, 2, *ARGS, *INPLACE, "--step-timeout", "3", "--inject", "hang:rank=1,step=6")
     assert "did not arrive: rank 1" in result.stderr
+    assert_same_training(tmp_path, fault_free)
+
+
+def test_a_replacement_joins_and_gets_the_state_from_a_live_peer(fault_free, tmp_path):
+    # Rank 0 is slowed so the replacement (a new process: imports, model) joins mid-run; no
+    # checkpoint is written before the end, so its state can only come from its live peer.
+    result = train(tmp_path, 2, *ARGS, "--recovery", "inplace", "--max-restarts", "1", "--checkpoint-every", "0",
+                   "--inject", "kill:rank=1,step=3", "--inject", "slow:rank=0,delay=0.7")
+    assert "replacement worker rank 2 is starting" in result.stderr, result.stderr
+    joined = records(tmp_path, 2)
+    assert 3 < joined[0]["step"] < 20 and [r["step"] for r in joined] == list(range(joined[0]["step"], 21))
+    assert {p.name for p in (tmp_path / "checkpoints").glob("step-*")} <= {"step-20"}
+    assert_same_training(tmp_path, fault_free)
+
+
+def test_a_replacement_too_late_to_join_leaves_without_failing_the_run(fault_free, tmp_path):
+    result = train(tmp_path, 2, *ARGS, "--recovery", "inplace", "--max-restarts", "1", "--inject", "kill:rank=1,step=20")
+    assert "the run finished before the replacement for rank 2 could join" in result.stderr, result.stderr
+    assert not (tmp_path / "samples-rank2.jsonl").exists()
     assert_same_training(tmp_path, fault_free)
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from gradmesh.errors import UsageError
 
-KINDS = {"kill": {"rank", "step", "at"}, "hang": {"rank", "step"}, "slow": {"rank", "factor"}}
-FORMS = "kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N or slow:rank=R,factor=F"
+KINDS = {"kill": {"rank", "step", "at"}, "hang": {"rank", "step"}, "slow": {"rank", "factor", "delay"}}
+FORMS = "kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N or slow:rank=R,factor=F|delay=SECONDS"
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,13 @@ class Fault:
     at: str = "step"
     """kill only: 'step' (before the step runs) or 'checkpoint' (mid-write of that step's checkpoint)."""
     factor: float = 1.0
+    delay: float = 0.0
+    """slow only: seconds added to every step (factor multiplies the step's own time)."""
 
     @property
     def label(self) -> str:
         if self.kind == "slow":
-            return f"slow:rank={self.rank},factor={self.factor:g}"
+            return f"slow:rank={self.rank},factor={self.factor:g}" + (f",delay={self.delay:g}" if self.delay else "")
         at = ",at=checkpoint" if self.at == "checkpoint" else ""
         return f"{self.kind}:rank={self.rank},step={self.step}{at}"
 
@@ -43,11 +45,12 @@ def _parse_one(text: str) -> Fault:
         raise UsageError(f"--inject {text!r}: expected {FORMS}")
     try:
         fault = Fault(kind, int(fields["rank"]), step=int(fields.get("step", 0)), at=fields.get("at", "step"),
-                      factor=float(fields.get("factor", 1.0)))
+                      factor=float(fields.get("factor", 1.0)), delay=float(fields.get("delay", 0.0)))
     except ValueError:
         raise UsageError(f"--inject {text!r}: rank and step must be whole numbers, factor a number; expected {FORMS}") from None
-    if kind != "slow" and fault.step < 1 or fault.rank < 0 or fault.at not in ("step", "checkpoint") or fault.factor < 1:
-        raise UsageError(f"--inject {text!r}: needs rank >= 0, step >= 1, factor >= 1, at=step|checkpoint")
+    if (kind != "slow" and fault.step < 1 or fault.rank < 0 or fault.at not in ("step", "checkpoint")
+            or fault.factor < 1 or fault.delay < 0):
+        raise UsageError(f"--inject {text!r}: needs rank >= 0, step >= 1, factor >= 1, delay >= 0, at=step|checkpoint")
     return fault
 
 
@@ -73,6 +76,7 @@ class Injector:
         self.faults = [f for f in faults if f.rank == rank and f.label not in fired]
         self.rank = rank
         self.slow_factor = max([f.factor for f in self.faults if f.kind == "slow"], default=1.0)
+        self.slow_delay = max([f.delay for f in self.faults if f.kind == "slow"], default=0.0)
 
     def _fire(self, fault: Fault, step: int) -> None:
         if self.log:
@@ -96,7 +100,10 @@ class Injector:
             if fault.kind == "kill" and fault.at == "checkpoint" and fault.step == step:
                 self._fire(fault, step)
 
-    def slow_down(self, elapsed: float) -> None:
-        """A straggler: the step takes `factor` times as long on this rank."""
-        if self.slow_factor > 1:
-            time.sleep((self.slow_factor - 1) * elapsed)
+    def slow_down(self, elapsed: float) -> float:
+        """A straggler: `factor` times the step's own time (`elapsed`, measured without the
+        injected delay, so it does not grow step on step), plus `delay` seconds; returns the delay."""
+        seconds = (self.slow_factor - 1) * elapsed + self.slow_delay
+        if seconds > 0:
+            time.sleep(seconds)
+        return seconds

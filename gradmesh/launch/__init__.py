@@ -52,7 +52,7 @@ def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restart
     if inplace:
         from gradmesh.launch.inplace import run_inplace
 
-        return run_inplace(nproc, target, collective_timeout=inplace)
+        return run_inplace(nproc, target, collective_timeout=inplace, replacements=max_restarts)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     args = torchrun.parse_args(torchrun_args(launch, nproc, max_restarts) + target)
     try:

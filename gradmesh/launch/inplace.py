@@ -1,12 +1,15 @@
-"""The launcher of in-place recovery: workers that outlive a failed peer.
+"""The launcher of in-place recovery: workers that outlive a failed peer, and their replacements.
 
 torch elastic's agent stops every worker when one fails (and restarts them all); in-place
 recovery needs the opposite policy, which the agent does not offer. So under
 `--recovery inplace` gradmesh starts the workers of this one machine itself and hosts the job's
 c10d store in the launcher — in no worker, so the loss of rank 0 does not take the store with
 it. When a worker dies, the launcher does not stop the others: it publishes the new membership
-(the original ranks still alive) under a new generation in the store, and the survivors build
-a new process group from it (`gradmesh.fault.inplace`) and carry on.
+(the identities still alive) under a new generation in the store, and the survivors build a
+new process group from it (`gradmesh.fault.inplace`) and carry on. It then starts a
+replacement worker (up to `replacements` in a run), which builds its model, says it is ready,
+and is added by the next generation; the members admit it between two steps and hand it their
+state.
 """
 
 import os
@@ -17,45 +20,94 @@ import time
 
 import torch.distributed as dist
 
-from gradmesh.fault.inplace import publish_members
+from gradmesh.fault.inplace import joining_key, publish_members
 
 
-def _describe(rank: int, code: int) -> str:
+def _describe(identity: int, code: int) -> str:
     if code < 0:
-        return f"worker rank {rank} was killed by {signal.Signals(-code).name}"
-    return f"worker rank {rank} exited with code {code}"
+        return f"worker rank {identity} was killed by {signal.Signals(-code).name}"
+    return f"worker rank {identity} exited with code {code}"
 
 
-def run_inplace(nproc: int, target: list[str], collective_timeout: float) -> int:
-    """Run `target` on nproc local workers; a failed worker is dropped, not fatal, while others live."""
-    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
-    publish_members(store, 0, list(range(nproc)))
-    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
-                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True",
-                GRADMESH_INPLACE="1", GRADMESH_COLLECTIVE_TIMEOUT=str(collective_timeout))
-    workers = {rank: subprocess.Popen([sys.executable, *target], env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank)))
-               for rank in range(nproc)}
-    alive, generation, finished = set(workers), 0, 0
-    try:
+class _Launcher:
+    def __init__(self, nproc: int, target: list[str], collective_timeout: float, replacements: int):
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
+        self.members = list(range(nproc))
+        publish_members(self.store, self.members)
+        self.target, self.replacements = target, replacements
+        self.env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
+                        WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                        TORCHELASTIC_USE_AGENT_STORE="True", GRADMESH_INPLACE="1",
+                        GRADMESH_COLLECTIVE_TIMEOUT=str(collective_timeout))
+        self.workers: dict[int, subprocess.Popen] = {}
+        self.local_rank: dict[int, int] = {}
+        self.waiting: list[int] = []  # replacements started, not yet admitted
+        for identity in range(nproc):
+            self._spawn(identity, identity)
+        self.finished = 0
+
+    def _spawn(self, identity: int, local_rank: int, join: bool = False) -> None:
+        env = dict(self.env, RANK=str(identity), LOCAL_RANK=str(local_rank), GRADMESH_JOIN="1" if join else "0")
+        self.workers[identity], self.local_rank[identity] = subprocess.Popen([sys.executable, *self.target], env=env), local_rank
+
+    def _lost(self, identity: int, code: int) -> set[int]:
+        """Publish the survivors; start a replacement if any are left. The workers started."""
+        if identity in self.waiting:
+            self.waiting.remove(identity)
+        if identity in self.members:
+            self.members.remove(identity)
+            publish_members(self.store, self.members)
+        carry = f"ranks {', '.join(map(str, self.members))} carry on in place" if self.members else "no worker is left"
+        replacing, started = "", set()
+        if self.replacements > 0 and self.members:
+            self.replacements -= 1
+            newcomer = max(self.workers) + 1
+            self._spawn(newcomer, self.local_rank[identity], join=True)
+            self.waiting.append(newcomer)
+            started.add(newcomer)
+            replacing = f"; replacement worker rank {newcomer} is starting"
+        print(f"gradmesh: {_describe(identity, code)}; {carry}{replacing}", file=sys.stderr, flush=True)
+        return started
+
+    def _admit_ready(self) -> None:
+        ready = [w for w in self.waiting if self.store.check([joining_key(w)])]
+        if ready and self.members:
+            self.waiting = [w for w in self.waiting if w not in ready]
+            self.members += ready
+            publish_members(self.store, self.members)
+
+    def run(self) -> int:
+        alive = set(self.workers)
         while alive:
             time.sleep(0.02)
-            for rank in sorted(alive):
-                code = workers[rank].poll()
+            if self.waiting:
+                self._admit_ready()
+            for identity in sorted(alive):
+                code = self.workers[identity].poll()
                 if code is None:
                     continue
-                alive.discard(rank)
+                alive.discard(identity)
                 if code == 0:
-                    finished += 1
+                    self.finished += 1
+                    if identity in self.members:
+                        self.members.remove(identity)  # left at the end of the run, not lost
                     continue
-                generation += 1
-                publish_members(store, generation, sorted(alive))
-                carry = f"ranks {', '.join(map(str, sorted(alive)))} carry on in place" if alive else "no worker is left"
-                print(f"gradmesh: {_describe(rank, code)}; {carry}", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
-        for worker in workers.values():
+                alive |= self._lost(identity, code)
+        if self.finished == 0:
+            print("gradmesh: every worker failed; their tracebacks, if they left any, are above", file=sys.stderr)
+            return 1
+        return 0
+
+    def terminate(self) -> None:
+        for worker in self.workers.values():
             worker.terminate()
+
+
+def run_inplace(nproc: int, target: list[str], collective_timeout: float, replacements: int = 0) -> int:
+    """Run `target` on nproc local workers; a failed worker is dropped (and replaced), not fatal."""
+    launcher = _Launcher(nproc, target, collective_timeout, replacements)
+    try:
+        return launcher.run()
+    except KeyboardInterrupt:
+        launcher.terminate()
         raise
-    if finished == 0:
-        print("gradmesh: every worker failed; their tracebacks, if they left any, are above", file=sys.stderr)
-        return 1
-    return 0
