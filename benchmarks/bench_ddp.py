@@ -28,11 +28,11 @@ def steady_rate(stamps: list[float], batch: int, warmup: int) -> float:
     return batch * (len(stamps) - 1 - warmup) / (stamps[-1] - stamps[warmup])
 
 
-def run_gradmesh(nproc: int, steps: int, batch: int, warmup: int, threads: int | None) -> float:
+def run_gradmesh(nproc: int, steps: int, batch: int, warmup: int, threads: int | None, *extra: str) -> float:
     with tempfile.TemporaryDirectory() as run_dir:
         sets = [f"model.{k}={v}" for k, v in SIZE.items()] + ["train.sample_chars=0", "train.eval_batches=1"]
         cmd = [sys.executable, "-m", "gradmesh", "train", "--nproc", str(nproc), "--max-steps", str(steps),
-               "--global-batch-size", str(batch), "--run-dir", run_dir, "--quiet"]
+               "--global-batch-size", str(batch), "--run-dir", run_dir, "--quiet", *extra]
         for item in sets:
             cmd += ["--set", item]
         subprocess.run(cmd, check=True, env=_env(threads))

@@ -11,12 +11,20 @@ The Python API, for scripts launched with `gradmesh run` (or torchrun, or plain 
     session.close()
 """
 
-from gradmesh.config import CheckpointConfig, Config, TrainConfig
-from gradmesh.data import GlobalOrderSampler
-from gradmesh.errors import UsageError
-from gradmesh.topology import Topology
-from gradmesh.trainer import Session, Trainer, init
+import importlib
 
 __version__ = "0.1.0"
 __all__ = ["init", "Session", "Trainer", "TrainConfig", "CheckpointConfig", "Config",
            "GlobalOrderSampler", "Topology", "UsageError"]
+
+# Imported on first use (PEP 562): `python -m gradmesh --help` and a usage error need none of
+# torch, and importing it costs the CLI about a second at every start.
+_HOMES = {"init": "trainer", "Session": "trainer", "Trainer": "trainer", "TrainConfig": "config",
+          "CheckpointConfig": "config", "Config": "config", "GlobalOrderSampler": "data",
+          "Topology": "topology", "UsageError": "errors"}
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"gradmesh.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'gradmesh' has no attribute {name!r}")

@@ -12,7 +12,6 @@ from pathlib import Path
 from gradmesh import config as configuration
 from gradmesh import rundir
 from gradmesh.errors import EXIT_USAGE, UsageError
-from gradmesh.fault import checkpoint
 from gradmesh.fault.inject import check_ranks, parse_faults
 
 RESTART_CHECKPOINT_EVERY = 10
@@ -29,6 +28,8 @@ FLAG_KEYS = {
     "async_checkpoint": "checkpoint.async_save",
     "recovery": "fault.recovery", "max_restarts": "fault.max_restarts", "step_timeout": "fault.step_timeout",
     "inject": "fault.inject",
+    "monitor_enabled": "monitor.enabled", "check_every": "monitor.check_every", "trace_steps": "monitor.trace_steps",
+    "tensorboard": "monitor.tensorboard", "prometheus_port": "monitor.prometheus_port",
     "run_dir": "run.dir", "quiet": "run.quiet",
     "nproc": "launch.nproc", "nnodes": "launch.nnodes", "node_rank": "launch.node_rank",
     "rdzv_endpoint": "launch.rdzv_endpoint", "rdzv_id": "launch.rdzv_id",
@@ -105,7 +106,16 @@ def build_parser() -> Parser:
     faults.add_argument("--step-timeout", type=float, metavar="SECONDS",
                         help="declare a hang when a step makes no progress this long: stacks dumped, ranks named (default off)")
     faults.add_argument("--inject", action="append", metavar="FAULT",
-                        help="inject a fault (repeatable): kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, slow:rank=R,factor=F")
+                        help="inject a fault (repeatable): kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, "
+                             "slow:rank=R,factor=F|delay=S, diverge:rank=R,step=N")
+    watch = train.add_argument_group("monitoring (see gradmesh monitor / gradmesh report)")
+    watch.add_argument("--no-monitor", dest="monitor_enabled", action="store_false", default=None,
+                       help="no per-rank step breakdown, straggler detection or replica checks")
+    watch.add_argument("--check-every", type=int, metavar="N",
+                       help="compare parameter checksums across data-parallel replicas every N steps (default 50; 0: never)")
+    watch.add_argument("--trace-steps", metavar="A:B", help="write trace.json (Chrome/Perfetto) of steps A..B on every rank")
+    watch.add_argument("--tensorboard", action="store_true", default=None, help="write TensorBoard event files to RUN_DIR/tensorboard")
+    watch.add_argument("--prometheus-port", type=int, metavar="P", help="serve Prometheus metrics on 127.0.0.1:P/metrics")
     run.add_argument("--quiet", action="store_true", default=None, help="no progress bar or summary table")
     _add_launch_options(train)
 
@@ -158,6 +168,7 @@ def _launch_shape(launch: configuration.LaunchConfig) -> tuple[str, int]:
 
 def _check_resume(cfg: configuration.Config, run_dir: Path) -> None:
     from gradmesh import workloads
+    from gradmesh.fault import checkpoint
     from gradmesh.worker import run_info
 
     if not checkpoint.complete_checkpoints(run_dir):

@@ -183,7 +183,8 @@ class FaultConfig:
     step_timeout: float = 0.0
     """Seconds a step may take before the run is declared hung (stacks dumped, ranks named); 0: off."""
     inject: str = ""
-    """Faults to inject, ';'-separated: kill:rank=R,step=N[,at=checkpoint]  hang:rank=R,step=N  slow:rank=R,factor=F."""
+    """Faults to inject, ';'-separated: kill:rank=R,step=N[,at=checkpoint]  hang:rank=R,step=N
+    slow:rank=R,factor=F|delay=S  diverge:rank=R,step=N."""
 
     def __post_init__(self):
         _one_of("fault", "recovery", self.recovery, RECOVERY)
@@ -192,6 +193,38 @@ class FaultConfig:
         from gradmesh.fault.inject import parse_faults
 
         parse_faults(self.inject)
+
+
+@dataclass(kw_only=True)
+class MonitorConfig:
+    """Observability: step breakdown, stragglers, replica checks, timeline and exports."""
+
+    enabled: bool = True
+    """Per-rank step breakdown, straggler detection and replica checks (false: plain metrics only)."""
+    straggler_margin: float = 0.5
+    """A rank is a straggler when its busy time per step exceeds the other ranks' median by this fraction..."""
+    straggler_steps: int = 5
+    """...for this many consecutive steps."""
+    check_every: int = 50
+    """Compare a checksum of every parameter across data-parallel replicas every N steps; 0: never."""
+    trace_steps: str = ""
+    """A:B writes trace.json (Chrome/Perfetto format) with every rank's phases and collectives of steps A..B."""
+    tensorboard: bool = False
+    """Write TensorBoard event files to RUN_DIR/tensorboard."""
+    prometheus_port: int = 0
+    """Serve Prometheus metrics on http://127.0.0.1:PORT/metrics (rank 0); 0: off."""
+
+    def __post_init__(self):
+        if self.straggler_margin <= 0:
+            raise UsageError(f"monitor.straggler_margin must be > 0 (a fraction, e.g. 0.5), got {self.straggler_margin}")
+        _positive("monitor", "straggler_steps", self.straggler_steps)
+        _positive("monitor", "check_every", self.check_every, allow_zero=True)
+        if not 0 <= self.prometheus_port <= 65535:
+            raise UsageError(f"monitor.prometheus_port must be a port number 1..65535 (or 0: off), got {self.prometheus_port}")
+        if self.trace_steps:
+            first, sep, last = self.trace_steps.partition(":")
+            if not (first.isdigit() and (not sep or last.isdigit())) or int(first) < 1 or (sep and int(last) < int(first)):
+                raise UsageError(f"--trace-steps {self.trace_steps!r}: expected A:B with 1 <= A <= B (steps to trace), e.g. 5:8")
 
 
 @dataclass(kw_only=True)
@@ -239,6 +272,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)
 

@@ -6,8 +6,10 @@ from pathlib import Path
 
 from gradmesh.errors import UsageError
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors", "vocab.json", "pipeline.json", "faults.jsonl")
-RANK_FILE_PATTERNS = ("samples-rank*.jsonl", "stacks-rank*.txt")
+RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors", "vocab.json", "pipeline.json", "faults.jsonl",
+             "alerts.jsonl", "trace.json", "report.html")
+RANK_FILE_PATTERNS = ("samples-rank*.jsonl", "stacks-rank*.txt", "steps-rank*.jsonl")
+RUN_DIRS = ("checkpoints", "tensorboard", "report")
 
 
 def ensure_writable(run_dir: str | Path) -> Path:
@@ -27,8 +29,7 @@ def clear_previous_run(run_dir: str | Path) -> list[Path]:
     run_dir = Path(run_dir)
     old = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
     old += [p for pattern in RANK_FILE_PATTERNS for p in run_dir.glob(pattern)]
-    if (run_dir / "checkpoints").exists():
-        old.append(run_dir / "checkpoints")
+    old += [run_dir / name for name in RUN_DIRS if (run_dir / name).exists()]
     for path in old:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     return old

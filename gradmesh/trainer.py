@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gradmesh import rundir
-from gradmesh.config import CheckpointConfig, FaultConfig, TrainConfig
+from gradmesh.config import CheckpointConfig, FaultConfig, MonitorConfig, TrainConfig
 from gradmesh.data import GlobalOrderSampler, fetch
 from gradmesh.comm import hooks
 from gradmesh.fault import checkpoint, inplace
@@ -32,6 +32,9 @@ from gradmesh.fault.handover import hand_over
 from gradmesh.fault.inject import Injector, parse_faults
 from gradmesh.fault.watchdog import Watchdog
 from gradmesh.errors import UsageError
+from gradmesh.monitor import consistency, trace
+from gradmesh.monitor.breakdown import NullClock
+from gradmesh.monitor.monitor import Monitor
 from gradmesh.monitor.progress import TrainingProgress, print_pipeline_plan, print_summary
 from gradmesh.monitor.reporter import StepRecord, StepReporter
 from gradmesh.parallel import (apply_strategy, build_optimizer, clip_gradients, grad_sync, model_state_bytes,
@@ -143,7 +146,7 @@ class Trainer:
                  optimizer: OptimizerSpec | None = None, run_dir: str | Path | None = None,
                  eval_fn: Callable[[nn.Module], dict] | None = None, quiet: bool = False,
                  run_info: dict | None = None, criterion: Callable | None = None,
-                 faults: FaultConfig | None = None):
+                 faults: FaultConfig | None = None, monitor: MonitorConfig | None = None):
         self.session, self.topo = session, session.topology
         self.train = train or TrainConfig()
         self.checkpointing = checkpointing or CheckpointConfig()
@@ -151,6 +154,11 @@ class Trainer:
         # Set by torch elastic: > 0 when this worker group was restarted after a failure.
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         self.membership, self.identity = session.membership, session.identity
+        self.monitor = Monitor(monitor or MonitorConfig(), Path(run_dir) if run_dir else None, self.identity,
+                               self.topo.is_main)
+        self.clock = self.monitor.clock or NullClock()
+        self._slept = self._own_time = 0.0
+        self._diverged = False
         self.injector = Injector(parse_faults(self.faults.inject), self.identity, run_dir)
         self.watchdog = None
         self.loss_fn, self.dataset, self.eval_fn = loss_fn, dataset, eval_fn
@@ -176,7 +184,9 @@ class Trainer:
         """The step reporter and the checkpointer: each has a process group of its own (collective)."""
         self.reporter = StepReporter(self.topo.world_size, self.train.log_every,
                                      self.run_dir / "metrics.jsonl" if self.run_dir and self.topo.is_main else None,
-                                     on_record=self._show, membership=self.session.membership)
+                                     on_record=self._show, membership=self.session.membership,
+                                     on_row=self.monitor.on_row if self.topo.is_main else None,
+                                     with_breakdown=self.monitor.clock is not None)
         self.checkpointer = None
         if self.run_dir:
             self.checkpointer = checkpoint.Checkpointer(self.run_dir, self.strategy, self.checkpointing.keep,
@@ -226,12 +236,17 @@ class Trainer:
         """Gradients of one global batch's share; returns the share's loss sum and sample count."""
         runs = self._micro_batches(batch)
         loss_sum, counted = torch.zeros((), device=self.topo.device), 0
+        clock = self.clock
         for i, (indices, weight) in enumerate(runs):
-            data = self._to_device(fetch(self.dataset, indices))
+            with clock.phase("data"):
+                data = self._to_device(fetch(self.dataset, indices))
             with grad_sync(self.model, self.strategy, last_micro_batch=i == len(runs) - 1):
-                losses = self.loss_fn(self.model, data)
+                with clock.phase("forward"):
+                    if i == 0:
+                        self._slow_down()
+                    losses = self.loss_fn(self.model, data)
                 self._beat(1, i)
-                (losses.sum() * weight).backward()
+                clock.backward(lambda: (losses.sum() * weight).backward())
             self._beat(2, i)
             if weight:
                 loss_sum += losses.detach().sum()
@@ -242,11 +257,18 @@ class Trainer:
         """The share padded to a fixed size with weight-0 samples, run by the pipeline schedule."""
         indices = [i for m in batch.micro_batches for i in m]
         pad = self._pipeline_rows - len(indices)
-        weights = torch.tensor([self.topo.dp_size / batch.size] * len(indices) + [0.0] * pad, device=self.topo.device)
-        inputs, targets = self._to_device(fetch(self.dataset, indices + [batch.indices[0]] * pad))
-        with grad_sync(self.model, self.strategy, last_micro_batch=True):
+        with self.clock.phase("data"):
+            weights = torch.tensor([self.topo.dp_size / batch.size] * len(indices) + [0.0] * pad, device=self.topo.device)
+            inputs, targets = self._to_device(fetch(self.dataset, indices + [batch.indices[0]] * pad))
+        # The schedule interleaves forward, backward and stage-to-stage send/recv: one phase.
+        with grad_sync(self.model, self.strategy, last_micro_batch=True), self.clock.phase("forward"):
+            self._slow_down()
             loss_sum = torch.tensor(self.pipeline.step(inputs, targets, weights))
         return loss_sum, len(indices) if self.pipeline.is_last else 0
+
+    def _slow_down(self) -> None:
+        """An injected straggler sleeps inside the forward phase: it shows as slow compute."""
+        self._slept += self.injector.slow_down(self._own_time)
 
     def _step(self, batch) -> torch.Tensor:
         """One optimizer step; returns this rank's figures for the step reporter."""
@@ -254,9 +276,10 @@ class Trainer:
             loss_sum, counted = self._pipeline_forward_backward(batch)
         else:
             loss_sum, counted = self._forward_backward(batch)
-        if self.train.grad_clip:
-            clip_gradients(self.model, self.train.grad_clip)
-        self.optimizer.step()
+        with self.clock.phase("optimizer"):
+            if self.train.grad_clip:
+                clip_gradients(self.model, self.train.grad_clip)
+            self.optimizer.step()
         self._beat(3)
         # Measured here, where parameters, gradients and optimizer state all exist.
         figures = torch.tensor([0.0, counted, model_state_bytes(self.model, self.optimizer),
@@ -289,16 +312,20 @@ class Trainer:
             self.watchdog = Watchdog(self.faults.step_timeout, self.identity, self.topo.world_size, self.run_dir)
             if self.membership:
                 self.watchdog.ranks = list(self.membership.members)
-        own_time = 0.0
+        self.monitor.start()
         for step in range(start_step + 1, self.train.max_steps + 1):
             self.step_now = step
             self._beat(0)
             self.injector.before_step(step)
             tic = time.perf_counter()
-            slept = self.injector.slow_down(own_time)
+            if self.monitor.clock:
+                self.monitor.clock.begin(step)
+            self._slept = 0.0
             batch, lr, figures = self._recoverable_step()
+            self.injector.after_step(step, self.model)
             elapsed = time.perf_counter() - tic
-            own_time = elapsed - slept
+            self._own_time = elapsed - self._slept
+            figures = torch.cat([figures, torch.tensor(self.monitor.step_figures(step), dtype=torch.float64)])
             train_time += elapsed
             samples += batch.size
             self.reporter.add(StepRecord(step, batch.epoch, batch.size, samples, lr, elapsed, figures))
@@ -311,6 +338,8 @@ class Trainer:
                 self._log_eval(step, self.evaluate())
             if self.checkpointing.every and step % self.checkpointing.every == 0:
                 self.save_checkpoint(step)
+            if self.monitor.config.check_every and step % self.monitor.config.check_every == 0:
+                self._check_replicas(step)
         if self.watchdog:
             self.watchdog.stop()
         if self.membership:
@@ -319,12 +348,17 @@ class Trainer:
         loss = self.history[-1]["loss"] if self.history else float("nan")
         if records:
             records.close()
+        if self.monitor.clock and self.monitor.clock.trace_range:
+            trace.gather_and_write(self.monitor.clock.events, self.topo.rank, self.topo.world_size, self.reporter.group,
+                                   self.run_dir / "trace.json" if self.run_dir else None)
         self.progress.close()
         return self._finish(loss, samples, time.perf_counter() - wall_start, train_time, start_step)
 
     def _register_hooks(self) -> None:
-        if self.membership is not None:  # in-place recovery runs ddp only (checked by the CLI)
-            hooks.register(self.model, self.membership)
+        """gradmesh's all-reduce hook on DDP: timed by the monitor, guarded under in-place recovery."""
+        ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        if ddp and (self.membership is not None or self.monitor.clock is not None):
+            hooks.register(self.model, self.membership, self.monitor.clock)
 
     def _recoverable_step(self):
         """One step; under in-place recovery, a lost member makes the survivors regroup and redo
@@ -389,6 +423,20 @@ class Trainer:
                            f"{self.sampler.step + 1} (generation {membership.generation}{joined}; "
                            f"rank {self.identity} is now rank {self.topo.rank})")
 
+    def _check_replicas(self, step: int) -> None:
+        """Data-parallel replicas (ddp, zero1) compare parameter checksums; rank 0 reports a divergence."""
+        if self.monitor.clock is None or self.strategy.name not in ("ddp", "zero1") or set(self.topo.mesh_shape) != {"dp"}:
+            return
+        if self.topo.world_size < 2:
+            return
+        found = consistency.compare_replicas(self.model.module, self.reporter.group, self.topo.world_size)
+        reported, self._diverged = self._diverged, bool(found)
+        if found and self.topo.is_main and not reported:  # once, until the replicas agree again
+            ranks = ", ".join(map(str, found["ranks"]))
+            self.monitor.alert({"step": step, "kind": "divergence", "rank": found["ranks"][0], "tensor": found["tensor"],
+                                "message": f"replicas diverged by step {step}: rank(s) {ranks} differ from the others, "
+                                           f"first in {found['tensor']!r} ({found['differing_tensors']} tensor(s) differ)"})
+
     def _beat(self, phase: int, micro: int = 0) -> None:
         if self.watchdog:
             self.watchdog.beat(self.step_now, phase, micro)
@@ -434,7 +482,8 @@ class Trainer:
         self.reporter.flush()  # the metrics of every step the checkpoint covers are on disk with it
         state = {"step": step, "sampler": self.sampler.state_dict(), "world_size": self.topo.world_size,
                  "strategy": self.strategy.name, "run": self.run_info}
-        self.checkpointer.save(step, self.model, self.optimizer, state)
+        with self.monitor.timed("checkpoint", step):  # checkpoint I/O, outside the step's phases
+            self.checkpointer.save(step, self.model, self.optimizer, state)
 
     def _maybe_resume(self) -> int:
         if not ((self.checkpointing.resume or self.restarted) and self.checkpointer):
@@ -463,6 +512,9 @@ class Trainer:
         if self.topo.is_main:
             rundir.truncate_steps(self.run_dir / "metrics.jsonl", step)
         rundir.truncate_steps(self.run_dir / f"samples-rank{self.identity}.jsonl", step)
+        rundir.truncate_steps(self.run_dir / f"steps-rank{self.identity}.jsonl", step)
+        if self.topo.is_main:
+            rundir.truncate_steps(self.run_dir / "alerts.jsonl", step)
 
     def _finish(self, loss: float, samples: int, wall: float, train_time: float, start_step: int) -> dict:
         eval_metrics = self.evaluate()
@@ -494,6 +546,7 @@ class Trainer:
             save_file({k: v.contiguous() for k, v in weights.items()}, str(self.run_dir / "model.safetensors"))
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.summary = summary
+        self.monitor.close()
         return summary
 
     def print_summary(self, sample: str | None = None) -> None:

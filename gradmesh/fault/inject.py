@@ -1,4 +1,4 @@
-"""Fault injection for testing recovery: `--inject kill:rank=1,step=7` (and hang, slow).
+"""Fault injection for testing recovery and monitoring: `--inject kill:rank=1,step=7` (and hang, slow, diverge).
 
 Off unless asked for. Each kill or hang fires once per run, whatever the restarts: before it
 fires, the worker appends it to RUN_DIR/faults.jsonl, and a restarted worker skips what that
@@ -15,8 +15,10 @@ from pathlib import Path
 
 from gradmesh.errors import UsageError
 
-KINDS = {"kill": {"rank", "step", "at"}, "hang": {"rank", "step"}, "slow": {"rank", "factor", "delay"}}
-FORMS = "kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N or slow:rank=R,factor=F|delay=SECONDS"
+KINDS = {"kill": {"rank", "step", "at"}, "hang": {"rank", "step"}, "slow": {"rank", "factor", "delay"},
+         "diverge": {"rank", "step"}}
+FORMS = ("kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, slow:rank=R,factor=F|delay=SECONDS "
+         "or diverge:rank=R,step=N")
 
 
 @dataclass(frozen=True)
@@ -78,13 +80,16 @@ class Injector:
         self.slow_factor = max([f.factor for f in self.faults if f.kind == "slow"], default=1.0)
         self.slow_delay = max([f.delay for f in self.faults if f.kind == "slow"], default=0.0)
 
-    def _fire(self, fault: Fault, step: int) -> None:
+    def _record(self, fault: Fault, step: int) -> None:
         if self.log:
             with open(self.log, "a") as f:
                 f.write(json.dumps({"fault": fault.label, "rank": self.rank, "step": step, "time": time.time()}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
         print(f"gradmesh: injecting {fault.label}", flush=True)
+
+    def _fire(self, fault: Fault, step: int) -> None:
+        self._record(fault, step)
         if fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # hang: never return, as a deadlocked worker would not
@@ -99,6 +104,16 @@ class Injector:
         for fault in self.faults:
             if fault.kind == "kill" and fault.at == "checkpoint" and fault.step == step:
                 self._fire(fault, step)
+
+    def after_step(self, step: int, model) -> None:
+        """diverge: nudge this replica's first parameter after the step (the replica check must see it)."""
+        for fault in self.faults:
+            if fault.kind == "diverge" and fault.step == step:
+                import torch
+
+                self._record(fault, step)
+                with torch.no_grad():
+                    next(model.parameters()).view(-1)[0] += 1e-3
 
     def slow_down(self, elapsed: float) -> float:
         """A straggler: `factor` times the step's own time (`elapsed`, measured without the

@@ -1,0 +1,63 @@
+"""Metrics out to the tools users already read: TensorBoard event files and a Prometheus endpoint.
+
+Both run on rank 0 only, from the rows the step reporter has gathered from every rank.
+"""
+
+from pathlib import Path
+
+
+class TensorBoardExporter:
+    """RUN_DIR/tensorboard: loss, lr, throughput, imbalance, and each rank's phase seconds."""
+
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, row: dict) -> None:
+        step = row["step"]
+        for key in ("loss", "lr", "samples_per_s", "step_time_s", "imbalance"):
+            if key in row:
+                self.writer.add_scalar(f"train/{key}", row[key], step)
+        for phase, per_rank in row.get("breakdown", {}).items():
+            self.writer.add_scalars(f"breakdown/{phase}", {f"rank{r}": v for r, v in enumerate(per_rank)}, step)
+        for r, peak in enumerate(row.get("peak_memory_bytes", [])):
+            self.writer.add_scalar(f"memory/peak_bytes_rank{r}", peak, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class PrometheusExporter:
+    """http://127.0.0.1:PORT/metrics (prometheus-client's server; bound to loopback only)."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1"):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()
+        gauge = lambda name, doc, labels=(): Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
+        self.step = gauge("gradmesh_step", "last optimizer step gathered")
+        self.loss = gauge("gradmesh_loss", "training loss of the last step")
+        self.throughput = gauge("gradmesh_samples_per_second", "samples per second of the last step")
+        self.imbalance = gauge("gradmesh_imbalance", "max/mean - 1 of the ranks' busy time, last step")
+        self.phase = gauge("gradmesh_phase_seconds", "seconds of the last step in each phase", ("rank", "phase"))
+        self.memory = gauge("gradmesh_peak_memory_bytes", "peak memory of each rank", ("rank",))
+        self.alerts = Counter("gradmesh_alerts", "straggler and divergence alerts", ("kind",), registry=self.registry)
+        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def write(self, row: dict) -> None:
+        self.step.set(row["step"])
+        self.loss.set(row["loss"])
+        self.throughput.set(row["samples_per_s"])
+        self.imbalance.set(row.get("imbalance", 0.0))
+        for phase, per_rank in row.get("breakdown", {}).items():
+            for r, value in enumerate(per_rank):
+                self.phase.labels(rank=str(r), phase=phase).set(value)
+        for r, peak in enumerate(row.get("peak_memory_bytes", [])):
+            self.memory.labels(rank=str(r)).set(peak)
+
+    def alert(self, kind: str) -> None:
+        self.alerts.labels(kind=kind).inc()
+
+    def close(self) -> None:
+        self.server.shutdown()

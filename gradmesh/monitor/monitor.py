@@ -1,0 +1,104 @@
+"""The monitor of one rank: step breakdown, per-rank step file, stragglers, alerts, exporters.
+
+Every rank times its phases (`StepClock`) and writes RUN_DIR/steps-rank{R}.jsonl; the step
+reporter gathers the same figures from every rank into metrics.jsonl on rank 0, where this
+monitor adds the imbalance score and straggler flags, writes alerts.jsonl, prints alerts, and
+feeds TensorBoard and Prometheus.
+"""
+
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from gradmesh.config import MonitorConfig
+from gradmesh.monitor.breakdown import FIGURES, StepClock
+from gradmesh.monitor.stragglers import StragglerDetector, busy_times, imbalance
+
+
+def parse_trace_steps(text: str) -> tuple[int, int] | None:
+    """'A:B' -> (A, B); '' -> None (no trace). Checked in MonitorConfig."""
+    if not text:
+        return None
+    first, _, last = text.partition(":")
+    return int(first), int(last or first)
+
+
+class Monitor:
+    def __init__(self, config: MonitorConfig, run_dir: Path | None, identity: int, is_main: bool):
+        self.config, self.run_dir, self.identity, self.is_main = config, run_dir, identity, is_main
+        self.clock = StepClock(parse_trace_steps(config.trace_steps)) if config.enabled else None
+        self.detector = StragglerDetector(config.straggler_margin, config.straggler_steps)
+        self.steps_file = self.alerts_file = None
+        self.exporters = []
+        self.alerts: list[dict] = []
+
+    def start(self) -> None:
+        """After the run dir is prepared (a fresh run clears it): open files, start exporters."""
+        if self.clock is None or self.run_dir is None:
+            return
+        self.steps_file = open(self.run_dir / f"steps-rank{self.identity}.jsonl", "a", buffering=1)
+        if not self.is_main:
+            return
+        self.alerts_file = open(self.run_dir / "alerts.jsonl", "a", buffering=1)
+        if self.config.tensorboard:
+            from gradmesh.monitor.exporters import TensorBoardExporter
+
+            self.exporters.append(TensorBoardExporter(self.run_dir))
+        if self.config.prometheus_port:
+            from gradmesh.monitor.exporters import PrometheusExporter
+
+            self.exporters.append(PrometheusExporter(self.config.prometheus_port))
+
+    def step_figures(self, step: int) -> tuple[float, ...]:
+        """End the step on this rank: its breakdown figures (also written to steps-rank{R}.jsonl)."""
+        if self.clock is None:
+            return (0.0,) * len(FIGURES)
+        figures = self.clock.finish()
+        if self.steps_file:
+            record = {"step": step, "time": time.time(), **dict(zip(FIGURES, figures))}
+            self.steps_file.write(json.dumps(record) + "\n")
+        return figures
+
+    @contextmanager
+    def timed(self, name: str, step: int):
+        """Time work outside the step (checkpoint I/O): a line in steps-rank{R}.jsonl, a trace event."""
+        start = time.perf_counter()
+        yield
+        end = time.perf_counter()
+        if self.steps_file:
+            self.steps_file.write(json.dumps({"step": step, "event": name, "seconds": round(end - start, 6)}) + "\n")
+        if self.clock is not None and self.clock.trace_range and self.clock.trace_range[0] <= step <= self.clock.trace_range[1]:
+            self.clock.event(name, start, end, "phases")
+
+    def on_row(self, row: dict) -> None:
+        """Rank 0, for each gathered metrics row: imbalance, stragglers, alerts, exporters."""
+        breakdown = row.get("breakdown")
+        if self.clock is not None and breakdown:
+            row["imbalance"] = round(imbalance(busy_times(breakdown)), 4)
+            flagged, alerts = self.detector.observe(row["step"], breakdown)
+            if flagged:
+                row["stragglers"] = flagged
+            for alert in alerts:
+                self.alert(alert)
+        for exporter in self.exporters:
+            exporter.write(row)
+
+    def alert(self, alert: dict) -> None:
+        """Rank 0: log an alert (stderr, even under --quiet) and keep it in alerts.jsonl."""
+        alert = {"time": time.time(), **alert}
+        self.alerts.append(alert)
+        print(f"gradmesh: alert at step {alert['step']}: {alert['message']}", file=sys.stderr, flush=True)
+        if self.alerts_file:
+            self.alerts_file.write(json.dumps(alert) + "\n")
+        for exporter in self.exporters:
+            if hasattr(exporter, "alert"):
+                exporter.alert(alert["kind"])
+
+    def close(self) -> None:
+        for handle in (self.steps_file, self.alerts_file):
+            if handle:
+                handle.close()
+        for exporter in self.exporters:
+            exporter.close()

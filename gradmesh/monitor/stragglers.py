@@ -1,0 +1,64 @@
+"""Stragglers and load imbalance, named from every rank's step breakdown (on rank 0).
+
+In synchronous data parallelism every rank's step takes as long as the slowest one's: the fast
+ranks wait for the slow one inside the gradient all-reduce. So the step time itself cannot tell
+them apart; the time a rank spends working can. A rank's *busy* time is its step time less the
+time it waited (`comm`, the all-reduce not hidden by the backward pass, and `idle`). A rank whose
+busy time stays above the median of the other ranks' by more than `margin` (a fraction) for
+`steps` consecutive steps is a straggler; the slow phase is the group (data loading, compute =
+forward + backward + optimizer, communication) in which it exceeds the others' median most.
+The imbalance score of a step is max/mean - 1 of the busy times (0: perfectly even).
+"""
+
+import statistics
+
+PHASE_GROUPS = {"data": ("data",), "compute": ("forward", "backward", "optimizer"), "communication": ("comm_busy_s",)}
+
+
+def busy_times(breakdown: dict[str, list[float]]) -> list[float]:
+    return [s - c - i for s, c, i in zip(breakdown["step_s"], breakdown["comm"], breakdown["idle"])]
+
+
+def imbalance(busy: list[float]) -> float:
+    mean = sum(busy) / len(busy) if busy else 0.0
+    return max(busy) / mean - 1 if mean > 0 else 0.0
+
+
+def slow_phase(breakdown: dict[str, list[float]], rank: int) -> str:
+    def group_time(r: int, group: str) -> float:
+        return sum(breakdown[key][r] for key in PHASE_GROUPS[group])
+
+    others = [r for r in range(len(breakdown["step_s"])) if r != rank]
+    return max(PHASE_GROUPS, key=lambda g: group_time(rank, g) - statistics.median(group_time(r, g) for r in others))
+
+
+class StragglerDetector:
+    def __init__(self, margin: float = 0.5, steps: int = 5):
+        self.margin, self.steps = margin, steps
+        self.streak: dict[int, int] = {}
+        self.reported: set[int] = set()
+
+    def observe(self, step: int, breakdown: dict[str, list[float]]) -> tuple[list[dict], list[dict]]:
+        """One step's per-rank breakdown -> (stragglers this step, new alerts)."""
+        busy = busy_times(breakdown)
+        flagged, alerts = [], []
+        if len(busy) < 2:
+            return flagged, alerts
+        for rank, mine in enumerate(busy):
+            median = statistics.median(b for r, b in enumerate(busy) if r != rank)
+            if median > 0 and mine > median * (1 + self.margin):
+                self.streak[rank] = self.streak.get(rank, 0) + 1
+            else:
+                self.streak[rank] = 0
+                self.reported.discard(rank)  # recovered: a later slowdown is reported again
+                continue
+            if self.streak[rank] >= self.steps:
+                phase = slow_phase(breakdown, rank)
+                excess = mine / median - 1
+                flagged.append({"rank": rank, "phase": phase, "excess": round(excess, 3)})
+                if rank not in self.reported:
+                    self.reported.add(rank)
+                    alerts.append({"step": step, "kind": "straggler", "rank": rank, "phase": phase,
+                                   "message": f"rank {rank} is a straggler ({phase}): busy {mine:.3f} s per step, "
+                                              f"{excess:.0%} above the other ranks' median for {self.streak[rank]} steps"})
+        return flagged, alerts

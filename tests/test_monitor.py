@@ -1,0 +1,161 @@
+"""Observability (issue 6): the per-rank step breakdown against injected delays and a byte formula,
+a straggler named with its phase, a diverged replica caught, the timeline, and the exporters."""
+
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from helpers import TINY, gradmesh, metrics, train, weights
+
+STRAGGLER = ["--max-steps", "30", "--global-batch-size", "16", "--set", "train.log_every=2",
+             "--inject", "slow:rank=1,factor=2", "--trace-steps", "3:4", "--check-every", "5", "--tensorboard"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+        return response.read().decode()
+
+
+@pytest.fixture(scope="session")
+def straggler_run(tmp_path_factory):
+    """2 workers, rank 1 slowed to half speed; Prometheus scraped while the run goes on."""
+    run_dir = tmp_path_factory.mktemp("straggler")
+    port = free_port()
+    args = ["train", "--nproc", "2", "--run-dir", str(run_dir), "--quiet", *TINY, *STRAGGLER,
+            "--prometheus-port", str(port)]
+    process = subprocess.Popen([sys.executable, "-m", "gradmesh", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    scraped = ""
+    try:
+        deadline = time.monotonic() + 120
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                text = scrape(port)
+                if "gradmesh_step " in text and not text.count("gradmesh_step 0.0"):
+                    scraped = text
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        out, err = process.communicate(timeout=180)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err
+    return {"dir": run_dir, "stderr": err, "prometheus": scraped}
+
+
+def per_rank_steps(run_dir, rank):
+    return [r for r in map(json.loads, (run_dir / f"steps-rank{rank}.jsonl").read_text().splitlines()) if "event" not in r]
+
+
+PHASES = ("data", "forward", "backward", "comm", "optimizer", "idle")
+
+
+def test_breakdown_covers_the_step_and_finds_the_injected_delay(straggler_run):
+    run_dir = straggler_run["dir"]
+    rows = metrics(run_dir)[5:]  # past warm-up (DDP rebuilds its buckets in the first steps)
+    for row in rows:
+        b = row["breakdown"]
+        for rank in (0, 1):
+            total = sum(b[p][rank] for p in PHASES)
+            assert abs(total - b["step_s"][rank]) <= 0.1 * b["step_s"][rank]
+    # The measured phases (all but the remainder, idle) cover the step: idle stays under 10%.
+    assert statistics.median(row["breakdown"]["idle"][r] / row["breakdown"]["step_s"][r]
+                             for row in rows for r in (0, 1)) < 0.1
+    # Rank 1 sleeps as long as its own step again inside its forward pass; rank 0 waits for it in
+    # the gradient all-reduce: rank 1's extra forward time reappears as rank 0's communication wait.
+    extra = statistics.median(row["breakdown"]["forward"][1] - row["breakdown"]["forward"][0] for row in rows)
+    waited = statistics.median(row["breakdown"]["comm"][0] - row["breakdown"]["comm"][1] for row in rows)
+    assert extra > 0 and abs(waited - extra) <= 0.35 * extra, (extra, waited)
+    # Bytes: one all-reduce of every float32 gradient per step (no accumulation), the formula.
+    params = sum(t.numel() for t in weights(run_dir).values())
+    assert all(row["breakdown"]["comm_bytes"] == [4.0 * params] * 2 for row in rows)
+    # Each rank's own file holds the same figures as the gathered metrics.
+    mine = {r["step"]: r for r in per_rank_steps(run_dir, 1)}
+    for row in rows:
+        assert mine[row["step"]]["forward"] == pytest.approx(row["breakdown"]["forward"][1], abs=1e-5)
+
+
+def test_the_straggler_is_named_with_its_phase(straggler_run):
+    run_dir = straggler_run["dir"]
+    alerts = [json.loads(line) for line in (run_dir / "alerts.jsonl").read_text().splitlines()]
+    stragglers = [a for a in alerts if a["kind"] == "straggler"]
+    assert stragglers and {(a["rank"], a["phase"]) for a in stragglers} == {(1, "compute")}
+    assert "rank 1 is a straggler (compute)" in straggler_run["stderr"]
+    flagged = [row for row in metrics(run_dir) if "stragglers" in row]
+    assert flagged and all(s["rank"] == 1 for row in flagged for s in row["stragglers"])
+    # Busy times 2:1 give max/mean - 1 = 2/1.5 - 1 = 1/3; balanced ranks score near 0.
+    assert statistics.median(row["imbalance"] for row in metrics(run_dir)[5:]) > 0.25
+
+
+def test_balanced_ranks_raise_no_alert_and_score_low(tmp_path):
+    train(tmp_path, 2, "--max-steps", "20", "--global-batch-size", "16", "--check-every", "5")
+    assert (tmp_path / "alerts.jsonl").read_text() == ""
+    assert statistics.median(row["imbalance"] for row in metrics(tmp_path)[5:]) < 0.2
+
+
+def test_a_diverged_replica_is_reported_with_the_first_differing_tensor(tmp_path):
+    result = train(tmp_path, 2, "--max-steps", "12", "--global-batch-size", "16", "--check-every", "5",
+                   "--inject", "diverge:rank=1,step=7")
+    alerts = [json.loads(line) for line in (tmp_path / "alerts.jsonl").read_text().splitlines()]
+    assert [(a["kind"], a["step"], a["rank"]) for a in alerts] == [("divergence", 10, 1)]
+    from gradmesh import config, workloads
+
+    model = workloads.meta_model(config.build([config.load_toml(tmp_path / "config.toml")]))
+    first = next(name for name, _ in model.named_parameters())  # the injection nudges the first parameter
+    assert alerts[0]["tensor"] == first and "replicas diverged by step 10" in result.stderr
+
+
+def test_trace_has_one_track_per_rank_with_phases_and_collectives(straggler_run):
+    events = json.loads((straggler_run["dir"] / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert {e["args"]["step"] for e in spans} == {3, 4}
+    for rank in (0, 1):
+        names = {e["name"] for e in spans if e["pid"] == rank}
+        assert {"data", "forward", "backward", "optimizer", "all_reduce", "step 3", "step 4"} <= names
+    # Rank 0's all-reduce of step 4 cannot end before rank 1's forward of step 4 does (it waits for it).
+    reduce0 = next(e for e in spans if e["pid"] == 0 and e["name"] == "all_reduce" and e["args"]["step"] == 4)
+    forward1 = next(e for e in spans if e["pid"] == 1 and e["name"] == "forward" and e["args"]["step"] == 4)
+    assert reduce0["ts"] + reduce0["dur"] >= forward1["ts"] + forward1["dur"] - 1000  # 1 ms clock slack
+
+
+def test_tensorboard_and_prometheus_exports(straggler_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = straggler_run["dir"]
+    accumulator = EventAccumulator(str(run_dir / "tensorboard"))
+    accumulator.Reload()
+    loss = accumulator.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, 31))
+    assert loss[-1].value == pytest.approx(metrics(run_dir)[-1]["loss"], rel=1e-5)
+    text = straggler_run["prometheus"]  # scraped while the run was going on
+    assert 'gradmesh_phase_seconds{phase="forward",rank="1"}' in text and "gradmesh_loss " in text
+
+
+def test_monitoring_off_keeps_plain_metrics(tmp_path):
+    train(tmp_path, 2, "--max-steps", "4", "--no-monitor")
+    assert "breakdown" not in metrics(tmp_path)[0] and not list(tmp_path.glob("steps-rank*.jsonl"))
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--trace-steps", "9:3"], ["--trace-steps '9:3'", "A:B"]),
+    (["--prometheus-port", "70000"], ["prometheus_port", "1..65535"]),
+    (["--check-every", "-1"], ["check_every", ">= 0"]),
+])
+def test_bad_monitoring_options_are_refused(tmp_path, args, words):
+    result = gradmesh("train", "--run-dir", str(tmp_path), *args, timeout=60)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert all(w in result.stderr for w in words), result.stderr
