@@ -1,4 +1,5 @@
-"""`gradmesh train` and `gradmesh run`: check everything, then start workers.
+"""The `gradmesh` command: `train` and `run` check everything, then start workers; `export`,
+`monitor` and `report` read a run directory.
 
 All input is validated here, before any worker starts: a bad value prints one line naming it
 and what is accepted, and exits with code 2.
@@ -129,7 +130,35 @@ def build_parser() -> Parser:
     exporter.add_argument("run_dir", metavar="RUN_DIR")
     exporter.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: the latest)")
     exporter.add_argument("--out", required=True, metavar="FILE.safetensors")
+    _add_monitor_commands(sub)
     return parser
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--port must be a whole number from 1 to 65535, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be from 1 to 65535, got {value}")
+    return value
+
+
+def _add_monitor_commands(sub) -> None:
+    monitor = sub.add_parser("monitor", help="live web dashboard of a run directory",
+                             description="Serve a live dashboard of RUN_DIR: loss, throughput, where each rank's step "
+                                         "time goes, memory per rank, and straggler and divergence alerts. Works while "
+                                         "the run trains (updates every second) and after it has finished. Stop with Ctrl-C.")
+    monitor.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a gradmesh train run")
+    monitor.add_argument("--port", type=_port, default=8265, metavar="P", help="port to listen on (default 8265)")
+    monitor.add_argument("--host", default="127.0.0.1", metavar="H",
+                         help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 exposes the "
+                              "dashboard to the network)")
+    report = sub.add_parser("report", help="write a static HTML report with plots of a run directory",
+                            description="Write RUN_DIR/report.html with PNG plots in RUN_DIR/report/: loss, throughput, "
+                                        "step-time breakdown and memory per rank, a summary table and the alerts. "
+                                        "Prints the path of report.html.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a gradmesh train run")
 
 
 def _flag_layer(args: argparse.Namespace) -> dict[str, dict]:
@@ -262,10 +291,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _existing_run_dir(text: str) -> Path:
+    if not Path(text).is_dir():
+        raise UsageError(f"run dir {text!r} does not exist; give the --run-dir of a gradmesh train run")
+    return Path(text)
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    from gradmesh.monitor.dashboard import serve
+
+    run_dir = _existing_run_dir(args.run_dir)
+    serve(run_dir, args.host, args.port,
+          on_ready=lambda url: print(f"gradmesh monitor: {run_dir} at {url} (Ctrl-C to stop)", flush=True))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from gradmesh.monitor.report import write_report
+
+    print(write_report(_existing_run_dir(args.run_dir)))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "run": cmd_run, "export": cmd_export, "monitor": cmd_monitor, "report": cmd_report}
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        code = {"train": cmd_train, "run": cmd_run, "export": cmd_export}[args.command](args)
+        code = COMMANDS[args.command](args)
     except UsageError as err:
         print(f"gradmesh: error: {err}", file=sys.stderr)
         return EXIT_USAGE
