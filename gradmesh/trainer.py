@@ -538,6 +538,7 @@ class Trainer:
             "strategy": self.strategy.name, "peak_memory_bytes": [int(t.item()) for t in gathered],
             "model_state_bytes": self.history[-1]["model_state_bytes"] if self.history else [],
             "run_dir": str(self.run_dir) if self.run_dir else "", **self.run_info,
+            **(self.monitor.summary(self.history) if self.topo.is_main else {}),
         }
         self.final_weights = weights if self.topo.is_main else None
         if self.topo.is_main and self.run_dir:

@@ -1,4 +1,79 @@
+import json
+import os
+import shutil
+import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import TINY, free_port  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _install_chromium(log: list[str]) -> None:
+    """Debian's chromium for the dashboard's browser test, installed by the test setup itself."""
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
+        result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+        log.append(f"$ {' '.join(cmd)} -> {result.returncode}\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+        if result.returncode:
+            return
+
+
+# Started at collection, in the background: the install overlaps the tests that run before the
+# browser test instead of adding its minutes to the suite.
+_chromium_log: list[str] = []
+_chromium_install = None
+if not Path(CHROMIUM).exists() and shutil.which("apt-get"):
+    _chromium_install = threading.Thread(target=_install_chromium, args=(_chromium_log,), daemon=True)
+    _chromium_install.start()
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    if _chromium_install is not None:
+        _chromium_install.join(timeout=900)
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"the dashboard test needs {CHROMIUM}; installing it failed:\n" + "\n".join(_chromium_log))
+    return CHROMIUM
+
+
+STRAGGLER = ["--max-steps", "30", "--global-batch-size", "16", "--set", "train.log_every=2",
+             "--inject", "slow:rank=1,factor=2", "--trace-steps", "3:4", "--check-every", "5", "--tensorboard"]
+
+
+@pytest.fixture(scope="session")
+def straggler_run(tmp_path_factory):
+    """A real 2-worker run with rank 1 slowed to half speed; Prometheus scraped while it trains.
+    Shared by the monitoring, dashboard and report tests."""
+    run_dir = tmp_path_factory.mktemp("straggler-run")
+    port = free_port()
+    args = ["train", "--nproc", "2", "--run-dir", str(run_dir), "--quiet", *TINY, *STRAGGLER,
+            "--prometheus-port", str(port)]
+    process = subprocess.Popen([sys.executable, "-m", "gradmesh", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    scraped = ""
+    try:
+        deadline = time.monotonic() + 120
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+                    text = response.read().decode()
+                if "gradmesh_step " in text and "gradmesh_step 0.0" not in text:
+                    scraped = text
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        _, err = process.communicate(timeout=180)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err
+    alerts = [json.loads(line) for line in (run_dir / "alerts.jsonl").read_text().splitlines()]
+    return {"dir": run_dir, "stderr": err, "prometheus": scraped, "alerts": alerts}

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,9 @@ def references(tmp_path_factory, name: str, *args: str) -> dict[str, dict[str, t
         train(run_dir, 1, *args, "--optimizer", optimizer)
         runs[optimizer] = weights(run_dir)
     return runs
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

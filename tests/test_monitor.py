@@ -2,58 +2,12 @@
 a straggler named with its phase, a diverged replica caught, the timeline, and the exporters."""
 
 import json
-import socket
 import statistics
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
-from helpers import TINY, gradmesh, metrics, train, weights
+from helpers import gradmesh, metrics, train, weights
 
-STRAGGLER = ["--max-steps", "30", "--global-batch-size", "16", "--set", "train.log_every=2",
-             "--inject", "slow:rank=1,factor=2", "--trace-steps", "3:4", "--check-every", "5", "--tensorboard"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
-        return response.read().decode()
-
-
-@pytest.fixture(scope="session")
-def straggler_run(tmp_path_factory):
-    """2 workers, rank 1 slowed to half speed; Prometheus scraped while the run goes on."""
-    run_dir = tmp_path_factory.mktemp("straggler")
-    port = free_port()
-    args = ["train", "--nproc", "2", "--run-dir", str(run_dir), "--quiet", *TINY, *STRAGGLER,
-            "--prometheus-port", str(port)]
-    process = subprocess.Popen([sys.executable, "-m", "gradmesh", *args], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    scraped = ""
-    try:
-        deadline = time.monotonic() + 120
-        while process.poll() is None and time.monotonic() < deadline:
-            try:
-                text = scrape(port)
-                if "gradmesh_step " in text and not text.count("gradmesh_step 0.0"):
-                    scraped = text
-                    break
-            except OSError:
-                pass
-            time.sleep(0.1)
-        out, err = process.communicate(timeout=180)
-    finally:
-        process.kill()
-    assert process.returncode == 0, err
-    return {"dir": run_dir, "stderr": err, "prometheus": scraped}
 
 
 def per_rank_steps(run_dir, rank):

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gradmesh.config import MonitorConfig
-from gradmesh.monitor.breakdown import FIGURES, StepClock
+from gradmesh.monitor.breakdown import FIGURES, PHASES, StepClock
 from gradmesh.monitor.stragglers import StragglerDetector, busy_times, imbalance
 
 
@@ -84,6 +84,17 @@ class Monitor:
                 self.alert(alert)
         for exporter in self.exporters:
             exporter.write(row)
+
+    def summary(self, history: list[dict]) -> dict:
+        """Rank 0, at the end: where the step time went over the run, mean imbalance, alert count."""
+        rows = [row for row in history if "breakdown" in row]
+        if self.clock is None or not rows:
+            return {}
+        totals = {phase: sum(sum(row["breakdown"][phase]) for row in rows) for phase in PHASES}
+        whole = sum(totals.values()) or 1.0
+        return {"step_split": {phase: round(t / whole, 4) for phase, t in totals.items()},
+                "imbalance_mean": round(sum(row.get("imbalance", 0.0) for row in rows) / len(rows), 4),
+                "alerts": len(self.alerts)}
 
     def alert(self, alert: dict) -> None:
         """Rank 0: log an alert (stderr, even under --quiet) and keep it in alerts.jsonl."""

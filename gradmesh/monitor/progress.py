@@ -74,6 +74,11 @@ def summary_table(summary: dict) -> Table:
     for key, label in (("model_state_bytes", "model state / rank"), ("peak_memory_bytes", "peak memory / rank")):
         if summary.get(key):
             rows.append((label, ", ".join(_fmt_bytes(b) for b in summary[key])))
+    if summary.get("step_split"):
+        split = sorted(summary["step_split"].items(), key=lambda item: -item[1])
+        rows.append(("step time split", " · ".join(f"{phase} {share:.0%}" for phase, share in split if share >= 0.005)))
+        rows.append(("imbalance (mean)", f"{summary['imbalance_mean']:.1%}"))
+        rows.append(("alerts", f"{summary['alerts']} (alerts.jsonl)" if summary["alerts"] else "none"))
     rows.append(("run dir", summary["run_dir"]))
     for name, value in rows:
         table.add_row(name, str(value))
