@@ -155,7 +155,7 @@ class Trainer:
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         self.membership, self.identity = session.membership, session.identity
         self.monitor = Monitor(monitor or MonitorConfig(), Path(run_dir) if run_dir else None, self.identity,
-                               self.topo.is_main)
+                               self.topo.is_main, same_work="pp" not in self.topo.mesh_shape)
         self.clock = self.monitor.clock or NullClock()
         self._slept = self._own_time = 0.0
         self._diverged = False
@@ -260,8 +260,9 @@ class Trainer:
         with self.clock.phase("data"):
             weights = torch.tensor([self.topo.dp_size / batch.size] * len(indices) + [0.0] * pad, device=self.topo.device)
             inputs, targets = self._to_device(fetch(self.dataset, indices + [batch.indices[0]] * pad))
-        # The schedule interleaves forward, backward and stage-to-stage send/recv: one phase.
-        with grad_sync(self.model, self.strategy, last_micro_batch=True), self.clock.phase("forward"):
+        # The schedule interleaves forward and backward: one phase, less its send/recv waits (comm).
+        with (grad_sync(self.model, self.strategy, last_micro_batch=True), self.clock.phase("forward"),
+              hooks.timed_pipeline_p2p(self.monitor.clock)):
             self._slow_down()
             loss_sum = torch.tensor(self.pipeline.step(inputs, targets, weights))
         return loss_sum, len(indices) if self.pipeline.is_last else 0

@@ -35,6 +35,11 @@ if not Path(CHROMIUM).exists() and shutil.which("apt-get"):
     _chromium_install.start()
 
 
+def pytest_collection_modifyitems(items):
+    """The browser test runs last, so chromium's install overlaps the rest of the suite."""
+    items.sort(key=lambda item: "chromium" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture(scope="session")
 def chromium() -> str:
     if _chromium_install is not None:

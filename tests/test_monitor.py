@@ -72,6 +72,17 @@ def test_a_diverged_replica_is_reported_with_the_first_differing_tensor(tmp_path
     assert alerts[0]["tensor"] == first and "replicas diverged by step 10" in result.stderr
 
 
+def test_pipeline_send_recv_is_timed_as_communication(tmp_path):
+    train(tmp_path, 2, "--max-steps", "6", "--global-batch-size", "16", "--strategy", "pipeline")
+    rows = metrics(tmp_path)
+    # Each stage sends each sample's activations (forward) or their gradient (backward) once per
+    # step: rows x block_size x n_embd float32 values (TINY: 16 x 32 x 32 x 4 bytes).
+    assert all(row["breakdown"]["comm_bytes"] == [16 * 32 * 32 * 4.0] * 2 for row in rows)
+    assert all(min(row["breakdown"]["comm"]) > 0 and min(row["breakdown"]["collectives"]) > 0 for row in rows)
+    # Stages do different work by design: no straggler alert between them.
+    assert (tmp_path / "alerts.jsonl").read_text() == ""
+
+
 def test_trace_has_one_track_per_rank_with_phases_and_collectives(straggler_run):
     events = json.loads((straggler_run["dir"] / "trace.json").read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]

@@ -40,6 +40,7 @@ class StepClock:
         self.comm_bytes = 0
         self.collectives = 0
         self.last_issue = None
+        self.nested = 0.0  # waits inside a phase counted as comm instead (pipeline send/recv)
 
     @property
     def tracing(self) -> bool:
@@ -59,12 +60,12 @@ class StepClock:
 
     @contextmanager
     def phase(self, name: str):
-        start = time.perf_counter()
+        start, nested = time.perf_counter(), self.nested
         try:
             yield
         finally:
             end = time.perf_counter()
-            self.seconds[name] += end - start
+            self.seconds[name] += end - start - (self.nested - nested)
             if self.tracing:
                 self.event(name, start, end, "phases")
 
@@ -98,6 +99,17 @@ class StepClock:
                     self.event(name, issued, done, "collectives")
 
         return completed
+
+    def waited(self, name: str, start: float, end: float, nbytes: int = 0) -> None:
+        """A blocking wait on communication inside a phase (a pipeline stage's send/recv): it
+        counts as comm, not as the phase around it."""
+        self.seconds["comm"] += end - start
+        self.nested += end - start
+        self.comm_busy += end - start
+        self.comm_bytes += nbytes
+        self.collectives += 1
+        if self.tracing:
+            self.event(name, start, end, "collectives")
 
     def finish(self) -> tuple[float, ...]:
         """End the step: its FIGURES (idle = the step time no phase covers)."""

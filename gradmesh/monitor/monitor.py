@@ -26,8 +26,12 @@ def parse_trace_steps(text: str) -> tuple[int, int] | None:
 
 
 class Monitor:
-    def __init__(self, config: MonitorConfig, run_dir: Path | None, identity: int, is_main: bool):
+    def __init__(self, config: MonitorConfig, run_dir: Path | None, identity: int, is_main: bool,
+                 same_work: bool = True):
+        """same_work: every rank does the same work per step (data and tensor parallel), so a slow
+        one is a straggler; pipeline stages differ by design and are not compared."""
         self.config, self.run_dir, self.identity, self.is_main = config, run_dir, identity, is_main
+        self.same_work = same_work
         self.clock = StepClock(parse_trace_steps(config.trace_steps)) if config.enabled else None
         self.detector = StragglerDetector(config.straggler_margin, config.straggler_steps)
         self.steps_file = self.alerts_file = None
@@ -77,7 +81,7 @@ class Monitor:
         breakdown = row.get("breakdown")
         if self.clock is not None and breakdown:
             row["imbalance"] = round(imbalance(busy_times(breakdown)), 4)
-            flagged, alerts = self.detector.observe(row["step"], breakdown)
+            flagged, alerts = self.detector.observe(row["step"], breakdown) if self.same_work else ([], [])
             if flagged:
                 row["stragglers"] = flagged
             for alert in alerts:
