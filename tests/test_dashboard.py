@@ -1,6 +1,7 @@
 """The dashboard and the report, on a real run with an injected straggler (the session's
 `straggler_run`); a hand-written run dir checks reading files while they are being written."""
 
+import contextlib
 import html
 import json
 import math
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port, gradmesh, metrics
+from helpers import TINY, free_port, gradmesh, metrics
 STEPS, WORLD = 30, 2
 STRAGGLER_FROM = 5
 STRAGGLER_MESSAGE = "rank 1 is a straggler (compute): 60% slower than the other ranks since step 5"
@@ -135,17 +136,17 @@ def test_monitor_usage_errors(tmp_path):
 
 # --- the dashboard, served by the real CLI -----------------------------------------------------
 
-@pytest.fixture
-def server(straggler_run, tmp_path):
-    run_dir = straggler_run["dir"]
+@contextlib.contextmanager
+def serving(run_dir: Path, log_path: Path):
+    """`gradmesh monitor RUN_DIR` on a free port, stopped on the way out; yields its URL."""
     port = free_port()
-    log = open(tmp_path / "monitor.log", "w+")
+    log = open(log_path, "w+")
     proc = subprocess.Popen([sys.executable, "-m", "gradmesh", "monitor", str(run_dir), "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert proc.poll() is None, f"monitor exited: {(tmp_path / 'monitor.log').read_text()}"
+            assert proc.poll() is None, f"monitor exited: {log_path.read_text()}"
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
@@ -161,7 +162,13 @@ def server(straggler_run, tmp_path):
             proc.kill()
             proc.wait()
         log.close()
-    assert f"http://127.0.0.1:{port}/" in (tmp_path / "monitor.log").read_text()
+    assert f"http://127.0.0.1:{port}/" in log_path.read_text()
+
+
+@pytest.fixture
+def server(straggler_run, tmp_path):
+    with serving(straggler_run["dir"], tmp_path / "monitor.log") as url:
+        yield url
 
 
 def get(url: str):
@@ -185,6 +192,28 @@ def test_api_rows_after_n(server, straggler_run):
     kind, script = get(server + "static/plotly.min.js")
     assert kind.startswith("text/javascript") and len(script) > 1_000_000
     assert b'id="breakdown"' in get(server)[1]
+
+
+def test_the_dashboard_follows_a_run_while_it_trains(tmp_path):
+    run_dir = tmp_path / "live"
+    run_dir.mkdir()
+    with serving(run_dir, tmp_path / "monitor.log") as url:
+        assert json.loads(get(url + "api/rows?after=0")[1])["status"] == "waiting"
+        # Both ranks slowed alike (no straggler): 30 steps take a few seconds, rows written every step.
+        trainer = subprocess.Popen([sys.executable, "-m", "gradmesh", "train", "--nproc", "2", "--run-dir", str(run_dir),
+                                    "--quiet", *TINY, "--max-steps", "30", "--global-batch-size", "16",
+                                    "--set", "train.log_every=1", "--inject", "slow:rank=0,delay=0.15",
+                                    "--inject", "slow:rank=1,delay=0.15"], stderr=subprocess.PIPE, text=True)
+        seen = []
+        while trainer.poll() is None:
+            answer = json.loads(get(url + "api/rows?after=0")[1])
+            seen.append((answer["status"], answer["total"]))
+            time.sleep(0.3)
+        assert trainer.wait() == 0, trainer.stderr.read()
+        final = json.loads(get(url + "api/rows?after=0")[1])
+    growing = sorted({total for status, total in seen if status == "running" and total > 0})
+    assert len(growing) >= 3, seen  # rows arrived step by step while the run trained
+    assert final["status"] == "finished" and final["total"] == 30 and final["summary"]["steps"] == 30
 
 
 class Elements(HTMLParser):
