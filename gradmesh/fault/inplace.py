@@ -179,7 +179,8 @@ class Membership:
         keys = [prefix + str(m) for m in self.members]
         deadline = time.monotonic() + timeout
         while not self.store.check(keys):
-            if self.newest() > self.generation and (self.identity not in self.members or not self._is_join(self.newest())):
+            newest = self.newest()
+            if newest > self.generation and (self.identity not in self.members or not self._is_join(newest)):
                 raise Regroup("a newer membership generation appeared while regrouping")
             if time.monotonic() > deadline:
                 missing = [m for m in self.members if not self.store.check([prefix + str(m)])]

@@ -42,9 +42,12 @@ class StepClock:
         self.last_issue = None
         self.nested = 0.0  # waits inside a phase counted as comm instead (pipeline send/recv)
 
+    def traces(self, step: int) -> bool:
+        return self.trace_range is not None and self.trace_range[0] <= step <= self.trace_range[1]
+
     @property
     def tracing(self) -> bool:
-        return self.trace_range is not None and self.trace_range[0] <= self.step <= self.trace_range[1]
+        return self.traces(self.step)
 
     def begin(self, step: int) -> None:
         self.step = step

@@ -73,7 +73,7 @@ class Monitor:
         end = time.perf_counter()
         if self.steps_file:
             self.steps_file.write(json.dumps({"step": step, "event": name, "seconds": round(end - start, 6)}) + "\n")
-        if self.clock is not None and self.clock.trace_range and self.clock.trace_range[0] <= step <= self.clock.trace_range[1]:
+        if self.clock is not None and self.clock.traces(step):
             self.clock.event(name, start, end, "phases")
 
     def on_row(self, row: dict) -> None:
