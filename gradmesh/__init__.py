@@ -19,7 +19,7 @@ __all__ = ["init", "Session", "Trainer", "TrainConfig", "CheckpointConfig", "Mon
 
 # Imported on first use (PEP 562): `python -m gradmesh --help` and a usage error need none of
 # torch, and importing it costs the CLI about a second at every start.
-_HOMES = {"init": "trainer", "Session": "trainer", "Trainer": "trainer", "TrainConfig": "config",
+_HOMES = {"init": "loop.trainer", "Session": "loop.trainer", "Trainer": "loop.trainer", "TrainConfig": "config",
           "CheckpointConfig": "config", "MonitorConfig": "config", "Config": "config", "GlobalOrderSampler": "data",
           "Topology": "topology", "UsageError": "errors"}
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gradmesh import config as configuration
 from gradmesh import rundir
+from gradmesh.parallel import registry
 from gradmesh.errors import EXIT_USAGE, UsageError
 from gradmesh.fault.inject import check_ranks, parse_faults
 
@@ -81,7 +82,7 @@ def build_parser() -> Parser:
     what.add_argument("--config", metavar="FILE", help="TOML config file (sections model, data, train, checkpoint, launch, run)")
     what.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key, e.g. model.n_layer=8 (repeatable)")
     how = train.add_argument_group("how to train")
-    how.add_argument("--strategy", choices=configuration.STRATEGIES, help="parallelism (default ddp)")
+    how.add_argument("--strategy", choices=registry.STRATEGIES, help="parallelism (default ddp)")
     how.add_argument("--mesh", metavar="AXIS=N,...", help="compose strategies on a named mesh: dp=2,tp=2, fsdp=2,tp=2 or dp=2,pp=2")
     how.add_argument("--pp-schedule", choices=configuration.PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     how.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per pipeline step (default 4)")
@@ -217,16 +218,6 @@ def _check_resume(cfg: configuration.Config, run_dir: Path) -> None:
         raise UsageError(f"--resume: config incompatible with {latest}: " + "; ".join(diffs))
 
 
-def _check_pipeline(cfg: configuration.Config, mesh: dict[str, int]) -> None:
-    from gradmesh import workloads
-    from gradmesh.parallel.pipeline import check_pipeline
-
-    train = cfg.train
-    check_pipeline(workloads.meta_model(cfg), schedule=train.pp_schedule, microbatches=train.microbatches,
-                   split=train.split_points, pp=mesh["pp"], grad_accum=train.grad_accum,
-                   local_batch=train.global_batch_size // mesh.get("dp", 1))
-
-
 def _start_fresh(run_dir: Path, quiet: bool) -> None:
     if rundir.clear_previous_run(run_dir) and not quiet:
         print(f"gradmesh: starting a fresh run in {run_dir} (the previous run's files were replaced; "
@@ -239,21 +230,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = resolve_config(args)
     _, nproc = _launch_shape(cfg.launch)
-    from gradmesh.parallel import check_strategy, mesh_for
-
     world = nproc * cfg.launch.nnodes
-    mesh = mesh_for(cfg.train.strategy, world, cfg.train.mesh)
+    mesh = registry.mesh_for(cfg.train.strategy, world, cfg.train.mesh)
+    plan = registry.resolve(cfg.train.strategy, mesh)
     product = math.prod(mesh.values())
     if product != world:
         raise UsageError(f"--mesh {cfg.train.mesh!r} spans {product} ranks but the job has {world} "
                          f"({nproc} per node x {cfg.launch.nnodes} nodes); make the product {world}")
     cfg.check_world(mesh.get("dp", 1) * mesh.get("fsdp", 1))
-    check_strategy("tp" if "tp" in mesh else cfg.train.strategy, cfg.model.name, cfg.model.n_head,
-                   cfg.model.n_embd, mesh.get("tp", world))
-    if "pp" in mesh:
-        _check_pipeline(cfg, mesh)
+    plan.check(cfg, lambda: workloads.meta_model(cfg))
     check_ranks(parse_faults(cfg.fault.inject), world)
-    if cfg.fault.recovery == "inplace" and (set(mesh) != {"dp"} or cfg.train.strategy != "ddp" or cfg.launch.nnodes > 1):
+    if cfg.fault.recovery == "inplace" and (not plan.inplace_recovery or cfg.launch.nnodes > 1):
         raise UsageError("--recovery inplace supports --strategy ddp on one machine (a lost rank's shard of "
                          "sharded, tensor- or pipeline-parallel state is gone); use --recovery restart")
     if cfg.fault.recovery == "restart" and not cfg.checkpoint.every:

@@ -15,9 +15,9 @@ from pathlib import Path
 import tomli_w
 
 from gradmesh.errors import UsageError
+from gradmesh.specs import parse_faults
 
 MODELS = ("gpt-char", "mlp-digits")
-STRATEGIES = ("ddp", "zero1", "fsdp", "tp", "pipeline")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
@@ -89,7 +89,8 @@ class TrainConfig:
     """The optimisation: batch, optimizer, schedule, strategy."""
 
     strategy: str = "ddp"
-    """Parallelism strategy: ddp, zero1 (optimizer state sharded), fsdp (everything sharded), tp (tensor parallel) or pipeline."""
+    """Parallelism strategy, a row of the strategy registry (`gradmesh.parallel.registry`): ddp, zero1
+    (optimizer state sharded), fsdp (everything sharded), tp (tensor parallel) or pipeline; checked there."""
     mesh: str = ""
     """Named device mesh composing strategies, e.g. "dp=2,tp=2", "fsdp=2,tp=2" or "dp=2,pp=2" (empty: the strategy alone)."""
     pp_schedule: str = "1f1b"
@@ -102,6 +103,8 @@ class TrainConfig:
     """Samples per optimizer step summed over all ranks and micro-batches."""
     grad_accum: int = 1
     """Micro-batches per rank per optimizer step."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB for DDP's all-reduce (DDP's own default: 25)."""
     optimizer: str = "adamw"
     """adamw or sgd."""
     lr: float = 2e-3
@@ -134,13 +137,14 @@ class TrainConfig:
     """Write the sample indices each rank consumed per step to samples-rank{R}.jsonl."""
 
     def __post_init__(self):
-        _one_of("train", "strategy", self.strategy, STRATEGIES)
         _one_of("train", "optimizer", self.optimizer, OPTIMIZERS)
         _one_of("train", "pp_schedule", self.pp_schedule, PP_SCHEDULES)
         for name in ("global_batch_size", "grad_accum", "microbatches", "max_steps", "decay_steps", "eval_batches", "log_every"):
             _positive("train", name, getattr(self, name))
         for name in ("warmup_steps", "eval_every", "sample_chars", "weight_decay", "grad_clip"):
             _positive("train", name, getattr(self, name), allow_zero=True)
+        if not 0 < self.bucket_mb < 1e6:
+            raise UsageError(f"train.bucket_mb must be > 0 (MiB, e.g. 25), got {self.bucket_mb}")
         if self.lr <= 0 or self.min_lr < 0:
             raise UsageError(f"train.lr must be > 0 and train.min_lr >= 0, got {self.lr}, {self.min_lr}")
 
@@ -190,8 +194,6 @@ class FaultConfig:
         _one_of("fault", "recovery", self.recovery, RECOVERY)
         _positive("fault", "max_restarts", self.max_restarts, allow_zero=True)
         _positive("fault", "step_timeout", self.step_timeout, allow_zero=True)
-        from gradmesh.fault.inject import parse_faults
-
         parse_faults(self.inject)
 
 

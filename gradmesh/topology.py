@@ -2,7 +2,8 @@
 
 Built once per worker (`Topology.from_env`), validated, and passed to everything that needs to
 know where it runs. There is no module-level process group: `Topology.start` creates the
-process group and the mesh and returns them inside the object.
+process group and the mesh and returns them inside the object, and every collective names the
+group it runs on (`Topology.group`): "world", a mesh axis, or a side group of its own.
 """
 
 import math
@@ -15,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from gradmesh import env
 from gradmesh.errors import UsageError
+from gradmesh.mesh import DATA_AXES, MESH_AXES
 
-MESH_AXES = ("dp", "fsdp", "pp", "tp")
-DATA_AXES = ("dp", "fsdp")
 
 
 def resolve_device(requested: str) -> str:
@@ -33,7 +34,7 @@ def resolve_device(requested: str) -> str:
 def local_device(requested: str) -> torch.device:
     """This worker's device before its process group exists (from LOCAL_RANK)."""
     if resolve_device(requested) == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", env.placement().local_rank)
     return torch.device("cpu")
 
 
@@ -50,9 +51,7 @@ def auto_nproc(device_type: str) -> int:
 
 def threads_per_worker(local_world_size: int) -> int:
     """Share the cores so N local workers do not oversubscribe them; OMP_NUM_THREADS overrides."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, (os.cpu_count() or 1) // local_world_size)
+    return env.omp_threads() or max(1, (os.cpu_count() or 1) // local_world_size)
 
 
 def job_store(timeout: timedelta = timedelta(minutes=30)) -> "dist.TCPStore | None":
@@ -60,10 +59,10 @@ def job_store(timeout: timedelta = timedelta(minutes=30)) -> "dist.TCPStore | No
 
     Each user (process group set-up, watchdog thread, membership thread) gets its own client:
     one client is not shared between threads."""
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not host or not port:
+    where = env.master()
+    if where is None:
         return None
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    return dist.TCPStore(where[0], where[1], is_master=False, timeout=timeout)
 
 
 def _attempt_store(generation: int = 0) -> "dist.Store | None":
@@ -74,9 +73,9 @@ def _attempt_store(generation: int = 0) -> "dist.Store | None":
     addresses and failed to connect ("Connection refused"). A prefix per attempt keeps them apart.
     None (torch's default env:// rendezvous) outside torch elastic.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not env.uses_agent_store():
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = env.restart_count()
     return dist.PrefixStore(f"gradmesh/attempt-{attempt}/generation-{generation}", job_store())
 
 
@@ -84,8 +83,8 @@ def _collective_timeout() -> "timedelta | None":
     """In-place recovery bounds how long a collective waits: a gloo collective whose ring
     partner left the broken group (rather than died) blocks until this timeout; then it raises
     and the rank regroups. None: torch's default (30 minutes)."""
-    seconds = os.environ.get("GRADMESH_COLLECTIVE_TIMEOUT")
-    return timedelta(seconds=float(seconds)) if seconds else None
+    seconds = env.collective_timeout()
+    return timedelta(seconds=seconds) if seconds else None
 
 
 @dataclass
@@ -100,6 +99,9 @@ class Topology:
     mesh_shape: dict[str, int] = field(default_factory=dict)
     mesh: DeviceMesh | None = None
     retired: list = field(default_factory=list, repr=False)
+    side_groups: dict = field(default_factory=dict, repr=False)
+    role: str = "worker"
+    """What this rank does in the job; every rank of a collective strategy is a worker."""
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -149,18 +151,12 @@ class Topology:
     @classmethod
     def from_env(cls, device: str = "auto", mesh_shape: dict[str, int] | None = None) -> "Topology":
         """Read the torchrun/gradmesh-run environment; a plain `python script.py` is rank 0 of 1."""
-        env = os.environ
-        if "RANK" not in env:
-            env.setdefault("MASTER_ADDR", "127.0.0.1")
-            env.setdefault("MASTER_PORT", str(_free_port()))
-        return cls(
-            rank=int(env.get("RANK", 0)),
-            world_size=int(env.get("WORLD_SIZE", 1)),
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
-            device_type=resolve_device(device),
-            mesh_shape=dict(mesh_shape or {}),
-        )
+        if not env.launched():
+            env.default_master(_free_port())
+        where = env.placement()
+        return cls(rank=where.rank, world_size=where.world_size, local_rank=where.local_rank,
+                   local_world_size=where.local_world_size, device_type=resolve_device(device),
+                   mesh_shape=dict(mesh_shape or {}))
 
     def start(self, generation: int = 0) -> "Topology":
         """Create the process group and the named device mesh (world size 1 included).
@@ -182,7 +178,27 @@ class Topology:
         self.mesh = init_device_mesh(
             self.device_type, tuple(self.mesh_shape[n] for n in names), mesh_dim_names=names
         )
+        self.side_groups = {}
         return self
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """A process group by name: "world" (every rank), a mesh axis, or a side group."""
+        if name == "world":
+            return dist.group.WORLD
+        if name in self.mesh_shape:
+            return self.mesh[name].get_group()
+        if name in self.side_groups:
+            return self.side_groups[name]
+        raise KeyError(f"no process group named {name!r}; this topology has world, "
+                       f"{', '.join(self.mesh_shape)} and {', '.join(self.side_groups) or 'no side groups'}")
+
+    def side_group(self, name: str) -> dist.ProcessGroup:
+        """A gloo group over every rank, kept apart from training's traffic (metrics, checkpoint
+        coordination). Collective the first time a name is asked for: every rank asks in the
+        same order. gloo takes CPU tensors even where training runs on NCCL."""
+        if name not in self.side_groups:
+            self.side_groups[name] = dist.new_group(backend="gloo")
+        return self.side_groups[name]
 
     def rejoin(self, rank: int, world_size: int, generation: int) -> "Topology":
         """In-place recovery: leave the current process groups and form one over the new members.
@@ -200,7 +216,7 @@ class Topology:
         if dist.is_initialized():
             # Leave together: a rank that tears down its group while a peer still has work
             # in flight aborts the peer's connection.
-            dist.barrier()
+            dist.barrier(group=self.group("world"))
             dist.destroy_process_group()
         self.mesh = None
 

@@ -8,11 +8,11 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from gradmesh import config as configuration
-from gradmesh import workloads
+from gradmesh import env, workloads
 from gradmesh.fault import inplace
-from gradmesh.parallel import mesh_for
+from gradmesh.parallel.registry import mesh_for
 from gradmesh.topology import local_device
-from gradmesh.trainer import Trainer, init
+from gradmesh.loop.trainer import Trainer, init
 
 
 class RankPrefixed:
@@ -41,7 +41,7 @@ def run_info(cfg: configuration.Config) -> dict:
 
 
 def train(cfg: configuration.Config) -> dict:
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    world_size = env.placement().world_size
     workload = None
     if inplace.joining():  # a replacement builds its model first: the members pause only for the hand-over
         workload = workloads.build(cfg, local_device(cfg.launch.device))
@@ -49,7 +49,7 @@ def train(cfg: configuration.Config) -> dict:
         session = init(device=cfg.launch.device, seed=cfg.train.seed,
                        mesh=mesh_for(cfg.train.strategy, world_size, cfg.train.mesh))
     except inplace.RunFinished:
-        print(f"gradmesh: the run finished before the replacement for rank {os.environ.get('RANK')} could join",
+        print(f"gradmesh: the run finished before the replacement for rank {env.placement().rank} could join",
               file=sys.stderr)
         return {}
     if session.identity != 0:

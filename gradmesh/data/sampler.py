@@ -11,7 +11,7 @@ torch's DistributedSampler is not used because its order depends on the world si
 strides by rank); that breaks parity and resharding.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,12 +35,17 @@ class GlobalBatch:
     epoch: int
     indices: list[int]
     """All sample indices of the global batch, in global order."""
-    micro_batches: list[list[int]]
-    """This rank's share, cut into grad_accum micro-batches (some may be empty at an epoch's end)."""
+    micro_batches: list[list[int]] = field(default_factory=list)
+    """This rank's share, cut into grad_accum micro-batches (some may be empty at an epoch's end);
+    empty in a batch drawn with `next_global`, whose share each engine takes with `share`."""
 
     @property
     def size(self) -> int:
         return len(self.indices)
+
+    def share(self, rank: int, ranks: int, micro_batches: int) -> list[list[int]]:
+        """Rank `rank` of `ranks`: its contiguous share, cut into micro-batches."""
+        return split_evenly(split_evenly(self.indices, ranks)[rank], micro_batches)
 
 
 class GlobalOrderSampler:
@@ -66,17 +71,17 @@ class GlobalOrderSampler:
         return torch.randperm(self.dataset_len, generator=generator).tolist()
 
     def next_batch(self, rank: int, world_size: int, grad_accum: int) -> GlobalBatch:
+        """The next global batch with rank `rank`'s share of it cut into micro-batches."""
+        batch = self.next_global()
+        batch.micro_batches = batch.share(rank, world_size, grad_accum)
+        return batch
+
+    def next_global(self) -> GlobalBatch:
+        """The next global batch: the same on every rank, whatever the world size."""
         if self._order is None:
             self._order = self.epoch_order(self.epoch)
         start = self.batch_in_epoch * self.global_batch_size
-        indices = self._order[start : start + self.global_batch_size]
-        share = split_evenly(indices, world_size)[rank]
-        batch = GlobalBatch(
-            step=self.step,
-            epoch=self.epoch,
-            indices=indices,
-            micro_batches=split_evenly(share, grad_accum),
-        )
+        batch = GlobalBatch(step=self.step, epoch=self.epoch, indices=self._order[start : start + self.global_batch_size])
         self.step += 1
         self.batch_in_epoch += 1
         if self.batch_in_epoch == self.batches_per_epoch:

@@ -8,8 +8,8 @@ A rename is atomic on one file system, so a crash mid-write leaves a `.tmp-*` fo
 ignored and cleaned up later. A published checkpoint damaged afterwards (a truncated or
 altered file) fails its checksums and the newest intact one is used instead, with a warning.
 
-State dicts are keyed by fully qualified parameter names whatever the strategy (DCP's
-`get_model_state_dict`, and `parallel.optimizer_state`), and DCP reshards on load, so a
+State dicts are keyed by fully qualified parameter names whatever the strategy (the step
+engine's `checkpoint_state`, which asks the strategy registry), and DCP reshards on load, so a
 checkpoint written by any strategy at any world size loads under any other.
 """
 
@@ -25,9 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
-from gradmesh.parallel import load_optimizer_state, optimizer_state
 
 STATE_FILE = "trainer_state.json"
 
@@ -113,42 +110,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _model_state(model) -> dict:
-    return get_model_state_dict(model)
-
-
 class Checkpointer:
     """Writes checkpoints for one run; with `use_async`, training goes on during the write.
 
-    Collective: every rank calls `save`, `wait` and `load` in the same order.
+    Collective over `group`: every rank calls `save`, `wait` and `load` in the same order. The
+    state comes from an object with `checkpoint_state(for_load)` and `install_checkpoint(payload)`
+    (a step engine). Coordination runs on a gloo group of its own (the topology's "checkpoint"
+    side group): async writes' background collectives never interleave with training's (DCP's
+    advice for async_save), and small CPU tensors work even when training runs on NCCL.
     """
 
-    def __init__(self, run_dir: str | Path, strategy: str, keep: int = 0, use_async: bool = False,
+    def __init__(self, run_dir: str | Path, group, is_main: bool, keep: int = 0, use_async: bool = False,
                  on_written: Callable[[int], None] = lambda step: None):
         self.root = checkpoint_root(run_dir)
-        self.strategy, self.keep, self.use_async = strategy, keep, use_async
+        self.keep, self.use_async = keep, use_async
         self.on_written = on_written
         """Called once a write is under way, before it is published (fault injection's hook)."""
-        self.is_main = dist.get_rank() == 0
-        # Checkpoint coordination runs on its own gloo group: async writes' background
-        # collectives never interleave with training's (DCP's advice for async_save), and small
-        # CPU tensors work even when training runs on NCCL.
-        self.group = dist.new_group(backend="gloo")
+        self.is_main, self.group = is_main, group
         self.pending: tuple[int, dict, Future] | None = None
 
-    def save(self, step: int, model, optimizer, state: dict) -> None:
+    def save(self, step: int, source, state: dict) -> None:
         self.wait()  # one write in flight at a time
         tmp = self.root / f".tmp-step-{step}"
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        dist.barrier()
-        payload = {"model": _model_state(model), "optim": optimizer_state(model, optimizer, self.strategy)}
+        dist.barrier(group=self.group)
+        payload = source.checkpoint_state()
         if self.use_async:
             future = dcp.async_save(payload, checkpoint_id=str(tmp), process_group=self.group)
             self.pending = (step, state, future)
         else:
-            dcp.save(payload, checkpoint_id=str(tmp))
+            dcp.save(payload, checkpoint_id=str(tmp), process_group=self.group)
         self.on_written(step)
         if not self.use_async:
             self._publish(step, state)
@@ -172,7 +165,7 @@ class Checkpointer:
         self._publish(step, state)
 
     def _publish(self, step: int, state: dict) -> None:
-        dist.barrier()  # every rank's shard is on disk
+        dist.barrier(group=self.group)  # every rank's shard is on disk
         if self.is_main:
             tmp, final = self.root / f".tmp-step-{step}", self.root / f"step-{step}"
             state = dict(state, files=file_digests(tmp))
@@ -185,7 +178,7 @@ class Checkpointer:
             os.replace(tmp, final)
             _fsync_dir(self.root)
             self._prune()
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def _prune(self) -> None:
         for stale in self.root.glob(".tmp-step-*"):
@@ -195,16 +188,14 @@ class Checkpointer:
             for old in complete_checkpoints(self.root.parent)[self.keep:]:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, model, optimizer) -> dict:
+    def load(self, path: Path, target) -> dict:
         """Load model and optimizer state in place from `path`; returns its trainer state."""
-        payload = {"model": _model_state(model),
-                   "optim": optimizer_state(model, optimizer, self.strategy, for_load=True)}
+        payload = target.checkpoint_state(for_load=True)
         try:
-            dcp.load(payload, checkpoint_id=str(path))
+            dcp.load(payload, checkpoint_id=str(path), process_group=self.group)
         except (Exception, CheckpointException) as exc:
             raise CheckpointError(describe_load_error(path, exc)) from exc
-        set_model_state_dict(model, payload["model"])
-        load_optimizer_state(model, optimizer, self.strategy, payload["optim"])
+        target.install_checkpoint(payload)
         return read_state(path)
 
 
@@ -239,8 +230,3 @@ def describe_load_error(path: Path, exc: Exception) -> str:
         return f"checkpoint {path} does not fit this model: {text.splitlines()[-1][:400]}"
     return f"checkpoint {path} could not be loaded: {text.splitlines()[-1][:400] if text else type(exc).__name__}"
 
-
-def full_model_state(model) -> dict[str, torch.Tensor]:
-    """Collective: the whole unsharded model state on CPU (on rank 0), named as in the plain model."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)

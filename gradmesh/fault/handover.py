@@ -24,17 +24,18 @@ def _to_cpu(value):
     return value
 
 
-def hand_over(trainer, pending: list[StepRecord]) -> list[StepRecord]:
-    """Collective over the new group; returns the records this member resends."""
+def hand_over(group, is_main: bool, is_newcomer: bool, optimizer, sampler,
+              pending: list[StepRecord]) -> list[StepRecord]:
+    """Collective over `group` (every member of the new group); returns the records to resend."""
     payload = [None]
-    if trainer.topo.is_main:
-        payload = [{"optimizer": _to_cpu(trainer.optimizer.state_dict()), "sampler": trainer.sampler.state_dict(),
+    if is_main:
+        payload = [{"optimizer": _to_cpu(optimizer.state_dict()), "sampler": sampler.state_dict(),
                     "pending": [(r.step, r.epoch, r.size, r.samples, r.lr, r.elapsed, r.finished) for r in pending]}]
-    dist.broadcast_object_list(payload, src=0, group=trainer.reporter.group)
-    if trainer.identity not in trainer.membership.newcomers:
+    dist.broadcast_object_list(payload, src=0, group=group)
+    if not is_newcomer:
         return pending
     state = payload[0]
-    trainer.optimizer.load_state_dict(state["optimizer"])  # moves the state to the parameters' device
-    trainer.sampler.load_state_dict(state["sampler"])
+    optimizer.load_state_dict(state["optimizer"])  # moves the state to the parameters' device
+    sampler.load_state_dict(state["sampler"])
     return [StepRecord(step, epoch, size, samples, lr, elapsed, torch.zeros(len(FIGURES), dtype=torch.float64), finished)
             for step, epoch, size, samples, lr, elapsed, finished in state["pending"]]

@@ -21,11 +21,12 @@ What no library offers here is a policy: torch elastic restarts every worker on 
 torchft drops the failed group's samples, so this small protocol is gradmesh's own.
 """
 
-import os
 import threading
 import time
 
 import torch
+
+from gradmesh import env
 
 GENERATION = "gradmesh/inplace/generation"
 COUNTER = "gradmesh/inplace/counter"
@@ -57,13 +58,8 @@ def members_of(store, generation: int) -> list[int]:
     return [int(r) for r in store.get(_members_key(generation)).decode().split(",") if r]
 
 
-def enabled() -> bool:
-    return os.environ.get("GRADMESH_INPLACE") == "1"
-
-
-def joining() -> bool:
-    """This worker is a replacement, started after a failure to join the running job."""
-    return enabled() and os.environ.get("GRADMESH_JOIN") == "1"
+enabled = env.inplace_enabled
+joining = env.inplace_joining
 
 
 class MembersLost(RuntimeError):
@@ -83,7 +79,7 @@ class Membership:
 
     def __init__(self, store, watch_store=None):
         self.store = store
-        self.identity = int(os.environ.get("RANK", 0))
+        self.identity = env.placement().rank
         self.generation, self.members = 0, members_of(store, 0) if not joining() else []
         self.newcomers: list[int] = []
         """Members of the current generation that were not in the one before (they need the state)."""
@@ -116,7 +112,7 @@ class Membership:
             if not future.done():
                 future.set_exception(MembersLost(f"in-place recovery: a member left (generation {generation})"))
 
-    def guard(self, work) -> torch.futures.Future:
+    def guard(self, future: torch.futures.Future) -> torch.futures.Future:
         """A future for an async collective's result that also fails when a member is lost."""
         guarded = torch.futures.Future()
 
@@ -136,12 +132,12 @@ class Membership:
                 guarded.set_exception(MembersLost("in-place recovery: a member left"))
                 return guarded
             self.pending.add(guarded)
-        work.get_future().then(settle)
+        future.then(settle)
         return guarded
 
     def wait(self, work) -> None:
         """`work.wait()` that raises MembersLost instead of blocking on a lost member."""
-        self.guard(work).wait()
+        self.guard(work.get_future()).wait()
 
     # -- forming the next group ---------------------------------------------------------------
 

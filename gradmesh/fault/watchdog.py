@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from gradmesh import env
 from gradmesh.fault import inplace
 from gradmesh.topology import job_store
 
@@ -42,7 +43,7 @@ class Watchdog:
         self.progress, self.moved = 0, time.monotonic()
         self.store, self.watch_store = job_store(timedelta(seconds=5)), job_store(timedelta(seconds=5))
         # Keys of one attempt: the store outlives a restart, and an old alarm must not fire again.
-        self.prefix = f"gradmesh/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.prefix = f"gradmesh/watchdog/{env.restart_count()}/"
         self.inplace = inplace.enabled()
         self.ranks = list(range(world_size))
         """Original ranks still in the job (in-place recovery drops lost ones)."""

@@ -7,12 +7,12 @@ short, clear report when a worker fails.
 """
 
 import logging
-import os
 import sys
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from gradmesh import env
 from gradmesh.config import LaunchConfig
 from gradmesh.fault.watchdog import EXIT_HANG
 from gradmesh.topology import threads_per_worker
@@ -48,7 +48,7 @@ def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restart
     `inplace` > 0: in-place recovery's launcher, collectives waiting at most that many seconds."""
     # torchrun's own default is one thread per worker; dividing the cores is faster when
     # fewer workers than cores run here. A user's OMP_NUM_THREADS wins.
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
+    env.set_omp_threads(threads_per_worker(nproc))
     if inplace:
         from gradmesh.launch.inplace import run_inplace
 

@@ -12,7 +12,6 @@ and is added by the next generation; the members admit it between two steps and 
 state.
 """
 
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import time
 
 import torch.distributed as dist
 
+from gradmesh import env
 from gradmesh.fault.inplace import joining_key, publish_members
 
 
@@ -35,7 +35,7 @@ class _Launcher:
         self.members = list(range(nproc))
         publish_members(self.store, self.members)
         self.target, self.replacements = target, replacements
-        self.env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
+        self.env = dict(env.environment(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
                         WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
                         TORCHELASTIC_USE_AGENT_STORE="True", GRADMESH_INPLACE="1",
                         GRADMESH_COLLECTIVE_TIMEOUT=str(collective_timeout))
@@ -47,8 +47,8 @@ class _Launcher:
         self.finished = 0
 
     def _spawn(self, identity: int, local_rank: int, join: bool = False) -> None:
-        env = dict(self.env, RANK=str(identity), LOCAL_RANK=str(local_rank), GRADMESH_JOIN="1" if join else "0")
-        self.workers[identity], self.local_rank[identity] = subprocess.Popen([sys.executable, *self.target], env=env), local_rank
+        child_env = dict(self.env, RANK=str(identity), LOCAL_RANK=str(local_rank), GRADMESH_JOIN="1" if join else "0")
+        self.workers[identity], self.local_rank[identity] = subprocess.Popen([sys.executable, *self.target], env=child_env), local_rank
 
     def _lost(self, identity: int, code: int) -> set[int]:
         """Publish the survivors; start a replacement if any are left. The workers started."""

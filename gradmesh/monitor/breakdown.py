@@ -1,7 +1,7 @@
 """Where a step's time goes on this rank: data, forward, backward, communication, optimizer, idle.
 
 The trainer brackets each phase (`StepClock.phase`). Communication is measured where it runs:
-the DDP comm hook marks each gradient bucket's all-reduce as it is issued and as it completes.
+the job's gradient reducer (`gradmesh.comm`) marks each bucket's all-reduce as it is issued and as it completes.
 DDP overlaps those all-reduces with the backward pass, so the backward is split at the moment
 the last bucket is issued: before it is computation (`backward`), after it the rank only waits
 for the all-reduces to finish (`comm`, the communication the overlap did not hide, and the
@@ -26,8 +26,10 @@ FIGURES = PHASES + ("step_s", "comm_busy_s", "comm_bytes", "collectives")
 class StepClock:
     """Per-step phase timer of one rank; cheap enough to run on every step."""
 
-    def __init__(self, trace: tuple[int, int] | None = None):
+    def __init__(self, trace: tuple[int, int] | None = None, counter=None):
+        """counter: the job's gradmesh.comm.CommCounter (bytes and collectives of the step)."""
         self.trace_range = trace
+        self.counter = counter
         self.events: list[dict] = []
         """Chrome-trace events of the traced steps (phases and collectives, this rank)."""
         self.lock = threading.Lock()
@@ -37,8 +39,6 @@ class StepClock:
     def _reset(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.comm_busy = 0.0
-        self.comm_bytes = 0
-        self.collectives = 0
         self.last_issue = None
         self.nested = 0.0  # waits inside a phase counted as comm instead (pipeline send/recv)
 
@@ -86,12 +86,10 @@ class StepClock:
             if end > split:
                 self.event("comm (wait)", split, end, "phases")
 
-    def collective(self, name: str, nbytes: int):
+    def collective(self, name: str):
         """Mark a collective issued now; returns the callback to call when it completes."""
         issued = time.perf_counter()
         self.last_issue = issued
-        self.comm_bytes += nbytes
-        self.collectives += 1
         tracing = self.tracing
 
         def completed() -> None:
@@ -103,14 +101,12 @@ class StepClock:
 
         return completed
 
-    def waited(self, name: str, start: float, end: float, nbytes: int = 0) -> None:
+    def waited(self, name: str, start: float, end: float) -> None:
         """A blocking wait on communication inside a phase (a pipeline stage's send/recv): it
         counts as comm, not as the phase around it."""
         self.seconds["comm"] += end - start
         self.nested += end - start
         self.comm_busy += end - start
-        self.comm_bytes += nbytes
-        self.collectives += 1
         if self.tracing:
             self.event(name, start, end, "collectives")
 
@@ -120,14 +116,15 @@ class StepClock:
         self.seconds["idle"] = max(0.0, step_s - sum(v for k, v in self.seconds.items() if k != "idle"))
         if self.tracing:
             self.event(f"step {self.step}", self.started, self.started + step_s, "steps")
-        return (*(self.seconds[p] for p in PHASES), step_s, self.comm_busy, float(self.comm_bytes),
-                float(self.collectives))
+        nbytes, calls = self.counter.take() if self.counter is not None else (0, 0)
+        return (*(self.seconds[p] for p in PHASES), step_s, self.comm_busy, float(nbytes), float(calls))
 
 
 class NullClock:
     """Monitoring off: the same calls, nothing timed."""
 
-    clock = None
+    def begin(self, step: int) -> None:
+        pass
 
     @contextmanager
     def phase(self, name: str):
@@ -135,3 +132,6 @@ class NullClock:
 
     def backward(self, run) -> None:
         run()
+
+    def waited(self, name: str, start: float, end: float) -> None:
+        pass

@@ -27,12 +27,13 @@ def parse_trace_steps(text: str) -> tuple[int, int] | None:
 
 class Monitor:
     def __init__(self, config: MonitorConfig, run_dir: Path | None, identity: int, is_main: bool,
-                 same_work: bool = True):
+                 same_work: bool = True, counter=None):
         """same_work: every rank does the same work per step (data and tensor parallel), so a slow
-        one is a straggler; pipeline stages differ by design and are not compared."""
+        one is a straggler; pipeline stages differ by design and are not compared.
+        counter: the job's gradmesh.comm.CommCounter, read at the end of each step."""
         self.config, self.run_dir, self.identity, self.is_main = config, run_dir, identity, is_main
         self.same_work = same_work
-        self.clock = StepClock(parse_trace_steps(config.trace_steps)) if config.enabled else None
+        self.clock = StepClock(parse_trace_steps(config.trace_steps), counter) if config.enabled else None
         self.detector = StragglerDetector(config.straggler_margin, config.straggler_steps)
         self.steps_file = self.alerts_file = None
         self.exporters = []

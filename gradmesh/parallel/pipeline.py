@@ -178,7 +178,7 @@ class Pipeline:
         self.stages = [PipelineStage(keep_only(self.full, self._names(s)), s, self.n_stages, topology.device,
                                      group=self.group) for s in stage_ids]
         self.local = keep_only(self.full, set().union(*(self._names(s) for s in stage_ids)))
-        self.local.pipeline = self
+        self.local.__dict__["pipeline"] = self  # found again by `pipeline_of` (the pipeline engine)
         self.is_first = any(stage.is_first for stage in self.stages)
         self.is_last = any(stage.is_last for stage in self.stages)
         held = self.stages if per_rank > 1 else self.stages[0]
@@ -193,7 +193,7 @@ class Pipeline:
                 costs = profile_units(self.full, self.units, options.example, options.criterion,
                                       options.optimizer_slots, in_flight)
             figures.copy_(torch.tensor([[c.seconds, c.bytes] for c in costs], dtype=torch.float64))
-        dist.broadcast(figures, src=0)
+        dist.broadcast(figures, src=0, group=topology.group("world"))
         return [UnitCost(names[0], s, b) for names, (s, b) in zip(self.units, figures.tolist())]
 
     def _names(self, stage: int) -> set[str]:
@@ -242,12 +242,18 @@ class Pipeline:
         return self.full
 
 
-def apply_pipeline(model: nn.Module, topology: Topology, options: PipelineOptions | None) -> nn.Module:
-    """This rank's part of the model (parameters named as in the plain model), `.pipeline` attached."""
-    if options is None:
+def apply_pipeline(model: nn.Module, topology: Topology, options) -> nn.Module:
+    """This rank's part of the model (parameters named as in the plain model); `options` is an
+    ApplyOptions whose `pipeline` holds the PipelineOptions."""
+    if options is None or options.pipeline is None:
         raise UsageError("pipeline parallelism runs through gradmesh.Trainer(..., criterion=...): "
                          "it needs the loss split from the model as criterion(output, target)")
-    return Pipeline(model, topology, options).local
+    return Pipeline(model, topology, options.pipeline).local
+
+
+def pipeline_of(model: nn.Module) -> "Pipeline":
+    """The Pipeline that made this stage module (see `apply_pipeline`)."""
+    return model.__dict__["pipeline"]
 
 
 def check_pipeline(model: nn.Module, *, schedule: str, microbatches: int, split: tuple[str, ...], pp: int,

@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from gradmesh.parallel.options import ApplyOptions
 from gradmesh.topology import Topology
 
 # Sharding plan: class name -> attribute holding the blocks that become FSDP units (each one
@@ -20,9 +21,8 @@ from gradmesh.topology import Topology
 FSDP_UNITS = {"GPT": "h", "MLP": None}
 
 
-def data_mesh(topology: Topology):
-    axis = "fsdp" if "fsdp" in topology.mesh_shape else "dp"
-    return topology.mesh[axis]
+def data_axis(topology: Topology) -> str:
+    return "fsdp" if "fsdp" in topology.mesh_shape else "dp"
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
@@ -38,15 +38,15 @@ def _units(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def apply_fsdp(model: nn.Module, topology: Topology) -> nn.Module:
+def apply_fsdp(model: nn.Module, topology: Topology, options: ApplyOptions) -> nn.Module:
     model.to(topology.device)
-    mesh = data_mesh(topology)
+    mesh = topology.mesh[data_axis(topology)]
     for unit in _units(model):
         fully_shard(unit, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
 
-def fsdp_sync(model: nn.Module, last_micro_batch: bool):
+def fsdp_sync(model: nn.Module, topology: Topology, options: ApplyOptions, last_micro_batch: bool):
     """Reduce-scatter gradients only on a step's last micro-batch."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(last_micro_batch)
@@ -55,20 +55,25 @@ def fsdp_sync(model: nn.Module, last_micro_batch: bool):
 
 def zero1_optimizer(params, topology: Topology, optimizer_class, **kwargs) -> ZeroRedundancyOptimizer:
     return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class,
-                                   process_group=data_mesh(topology).get_group(), **kwargs)
+                                   process_group=topology.group(data_axis(topology)), **kwargs)
 
 
-def zero1_state(model: nn.Module, zero: ZeroRedundancyOptimizer, create: bool = False) -> dict:
+def zero1_state(model: nn.Module, zero: ZeroRedundancyOptimizer, for_load: bool = False) -> dict:
     """This rank's share of optimizer state as {"state": {fqn: {name: tensor}}}.
 
     The same shape DCP's get_optimizer_state_dict gives for DDP and FSDP (restricted to the
     parameters this rank owns), so one checkpoint format serves every strategy. With
-    create=True, missing state is first made by a zero-gradient, zero-lr step.
+    for_load=True, missing state is first made by a zero-gradient, zero-lr step, so DCP has
+    tensors to load into.
     """
-    if create and not zero.optim.state:
+    if for_load and not zero.optim.state:
         _initialise_state(zero)
     names = {param: name.removeprefix("module.") for name, param in model.named_parameters()}
     return {"state": {names[p]: zero.optim.state[p] for p in zero.optim.state}}
+
+
+def zero1_loaded(model: nn.Module, zero: ZeroRedundancyOptimizer, state: dict) -> None:
+    """Nothing to install: DCP loaded in place into the optimizer's own tensors."""
 
 
 def _initialise_state(zero: ZeroRedundancyOptimizer) -> None:

@@ -34,7 +34,7 @@ def check_tp_degree(model_name: str, n_head: int, n_embd: int, degree: int) -> N
         raise UsageError(f"tensor-parallel degree {degree} does not divide model.n_embd={n_embd}")
 
 
-def apply_tp(model: nn.Module, topology: Topology) -> nn.Module:
+def apply_tp(model: nn.Module, topology: Topology, options=None) -> nn.Module:
     name = type(model).__name__
     if name not in TP_PLANS:
         raise UsageError(f"no tensor-parallel plan for {name}; known: {', '.join(TP_PLANS)}")
@@ -65,9 +65,29 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     return total
 
 
-def has_mixed_gradients(model: nn.Module) -> bool:
+def _needs_own_clip(model: nn.Module) -> bool:
+    """DTensor and plain parameters mixed, or DTensors on several meshes: torch's clip cannot."""
     kinds = {isinstance(p, DTensor) for p in model.parameters()}
-    return len(kinds) > 1
+    meshes = {id(p.device_mesh) for p in model.parameters() if isinstance(p, DTensor)}
+    return len(kinds) > 1 or len(meshes) > 1
 
 
-__all__ = ["TP_PLANS", "apply_tp", "check_tp_degree", "clip_grad_norm", "has_mixed_gradients"]
+def clip_gradients(model: nn.Module, max_norm: float) -> None:
+    """Global gradient-norm clipping of a model whatever its strategy left it holding."""
+    if _needs_own_clip(model):
+        clip_grad_norm(list(model.parameters()), max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def tp_parameter_count(model: nn.Module) -> int:
+    """Parameters the plan splits (for the registry's formulas), on a plain or meta model."""
+    name = type(model).__name__
+    if name not in TP_PLANS:
+        return 0
+    blocks_attr, block_plan = TP_PLANS[name]
+    return sum(p.numel() for block in getattr(model, blocks_attr) for path in block_plan
+               for p in block.get_submodule(path).parameters())
+
+
+__all__ = ["TP_PLANS", "apply_tp", "check_tp_degree", "clip_grad_norm", "clip_gradients", "tp_parameter_count"]

@@ -1,0 +1,101 @@
+"""Reducers: average a flat gradient buffer over a process group, asynchronously.
+
+`MeanAllReduce` is the arithmetic torch's default DDP hook does (divide by the group size, sum
+by all-reduce). What gradmesh needs around any reducer is added by wrappers, installed on every
+job whatever is switched on (a wrapper with nothing to report to passes straight through):
+
+- `Counted`: bytes handed to collectives and their number, per step (`CommCounter`);
+- `Timed`: the step clock sees each collective issued and completed (monitoring);
+- `Guarded`: under in-place recovery the result fails at once when a member is lost, instead
+  of blocking until the collective timeout (`gradmesh.fault.inplace.Membership.guard`).
+
+A compression method is one more reducer; parameter-server pushes go through the same chain.
+"""
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+Future = torch.futures.Future
+
+
+class Reducer:
+    """Averages `tensor` in place over `group`; returns a future of the averaged tensor."""
+
+    name = "reduce"
+
+    def reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> Future:
+        raise NotImplementedError
+
+    def average(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return self.reduce(tensor, group).wait()
+
+
+class MeanAllReduce(Reducer):
+    name = "all_reduce"
+
+    def reduce(self, tensor, group):
+        tensor.div_(group.size())
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        return work.get_future().then(lambda done: done.value()[0])
+
+
+class CommCounter:
+    """Bytes and collectives of the current step, summed over threads (DDP's hooks run on its own)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.bytes = self.calls = 0
+
+    def add(self, nbytes: int) -> None:
+        with self.lock:
+            self.bytes += nbytes
+            self.calls += 1
+
+    def take(self) -> tuple[int, int]:
+        """This step's (bytes, collectives); starts the next step's count."""
+        with self.lock:
+            figures, self.bytes, self.calls = (self.bytes, self.calls), 0, 0
+        return figures
+
+
+class Counted(Reducer):
+    def __init__(self, inner: Reducer, counter: CommCounter):
+        self.inner, self.counter, self.name = inner, counter, inner.name
+
+    def reduce(self, tensor, group):
+        self.counter.add(tensor.numel() * tensor.element_size())
+        return self.inner.reduce(tensor, group)
+
+
+class Timed(Reducer):
+    def __init__(self, inner: Reducer, clock=None):
+        """clock: gradmesh.monitor.breakdown.StepClock, or None with monitoring off."""
+        self.inner, self.clock, self.name = inner, clock, inner.name
+
+    def reduce(self, tensor, group):
+        if self.clock is None:
+            return self.inner.reduce(tensor, group)
+        completed = self.clock.collective(self.name)
+
+        def result(done: Future) -> torch.Tensor:
+            completed()
+            return done.value()  # raises the collective's error into the caller
+
+        return self.inner.reduce(tensor, group).then(result)
+
+
+class Guarded(Reducer):
+    def __init__(self, inner: Reducer, membership=None):
+        """membership: gradmesh.fault.inplace.Membership under in-place recovery, else None."""
+        self.inner, self.membership, self.name = inner, membership, inner.name
+
+    def reduce(self, tensor, group):
+        future = self.inner.reduce(tensor, group)
+        return self.membership.guard(future) if self.membership is not None else future
+
+
+def build_reducer(counter: CommCounter, clock=None, membership=None, base: Reducer | None = None) -> Reducer:
+    """The chain every job uses: guard outermost, so a lost member fails the caller at once."""
+    return Guarded(Timed(Counted(base or MeanAllReduce(), counter), clock), membership)

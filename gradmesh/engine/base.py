@@ -1,0 +1,205 @@
+"""The step engine: one optimizer step of one family of strategies, and the state it owns.
+
+An engine is built from a plain model and a plan (`gradmesh.parallel.registry.Plan`): it
+applies the plan, builds the optimizer the plan's data axis asks for, and then runs optimizer
+steps — forward, backward, gradient communication, optimizer — on the share of each global
+batch that falls to its rank. The training loop hands it global batches and hands what it
+returns to the services; nothing above the engine knows which strategy runs.
+
+`lockstep` says whether every rank runs the same step at the same moment (collective SPMD
+and pipelines do; a parameter-server engine, whose ranks play roles, does not). Services that
+need every rank at the same step check it.
+
+Exact weighting: every sample is weighted 1 / (samples in its global batch) times the
+data-parallel degree, which the strategy's gradient average divides out again, so the
+gradient is exactly the mean over the global batch whatever the world size, the number of
+micro-batches, or a short last batch of an epoch.
+"""
+
+import math
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from gradmesh.config import TrainConfig
+from gradmesh.data import GlobalBatch
+from gradmesh.monitor.breakdown import NullClock
+from gradmesh.parallel.compose import apply_plan, gradient_sync
+from gradmesh.parallel.options import ApplyOptions
+from gradmesh.parallel.registry import Plan, load
+from gradmesh.parallel.state import model_state_bytes
+from gradmesh.topology import Topology
+
+
+def _nothing(*args) -> None:
+    return None
+
+
+@dataclass
+class StepProbe:
+    """What a step reports to while it runs: the phase clock, the watchdog's heartbeat
+    (phase 1 after forward, 2 after backward, 3 after the optimizer) and injected delays."""
+
+    clock: object = field(default_factory=NullClock)
+    beat: Callable[..., None] = _nothing
+    in_forward: Callable[[], None] = _nothing
+    """Called inside the first micro-batch's forward phase (an injected straggler sleeps here)."""
+
+
+@dataclass
+class StepOutcome:
+    """One step as this rank saw it, for the services."""
+
+    batch: GlobalBatch
+    lr: float
+    indices: list[int]
+    """The samples this rank consumed."""
+    figures: torch.Tensor
+    """loss sum, samples counted, model-state bytes, peak memory (float64): the reporter's BASE."""
+
+    @property
+    def step(self) -> int:
+        """The optimizer step this was, counted from 1."""
+        return self.batch.step + 1
+
+
+@dataclass
+class Job:
+    """What every engine is built from besides the plan and the model."""
+
+    loss_fn: Callable
+    dataset: object
+    train: TrainConfig
+    optimizer_class: type
+    optimizer_kwargs: dict
+    criterion: Callable | None = None
+    reducer: object = None
+    """gradmesh.comm.Reducer: the job's gradient-averaging chain."""
+    counter: object = None
+    """gradmesh.comm.CommCounter of the job."""
+
+
+def lr_factor(step: int, train: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay from lr to min_lr over decay_steps (a function of step only)."""
+    if step < train.warmup_steps:
+        return (step + 1) / train.warmup_steps
+    progress = min(1.0, (step - train.warmup_steps) / max(1, train.decay_steps - train.warmup_steps))
+    floor = train.min_lr / train.lr
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def to_device(data, device: torch.device):
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=True)
+    if isinstance(data, (tuple, list)):
+        return type(data)(to_device(d, device) for d in data)
+    if isinstance(data, dict):
+        return {k: to_device(v, device) for k, v in data.items()}
+    return data
+
+
+class Engine:
+    """The parts every family shares: applying the plan, the optimizer, its step, checkpoints."""
+
+    lockstep = True
+
+    def __init__(self, topology: Topology, plan: Plan, model: nn.Module, job: Job):
+        self.topology, self.plan, self.job, self.plain = topology, plan, job, model
+        self.options = ApplyOptions(reducer=job.reducer, bucket_mb=job.train.bucket_mb,
+                                    pipeline=self.pipeline_options(model))
+        self.model = apply_plan(model, topology, plan, self.options)
+        owner = plan.state_owner
+        self.optimizer = load(owner.optimizer)(list(self.model.parameters()), topology, job.optimizer_class,
+                                               **job.optimizer_kwargs)
+        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+
+    def pipeline_options(self, model: nn.Module):
+        return None
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self, batch: GlobalBatch, probe: StepProbe) -> StepOutcome:
+        lr = self._set_lr(batch.step)
+        loss_sum, counted, indices = self.forward_backward(batch, probe)
+        with probe.clock.phase("optimizer"):
+            if self.job.train.grad_clip:
+                self.clip(self.job.train.grad_clip)
+            self.optimizer.step()
+        probe.beat(3)
+        # Measured here, where parameters, gradients and optimizer state all exist.
+        figures = torch.tensor([0.0, counted, model_state_bytes(self.model, self.optimizer),
+                                peak_memory_bytes(self.topology.device)], dtype=torch.float64)
+        figures[0] = loss_sum.detach().to("cpu", torch.float64)
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(batch, lr, indices, figures)
+
+    def forward_backward(self, batch: GlobalBatch, probe: StepProbe) -> tuple[torch.Tensor, int, list[int]]:
+        """Gradients of this rank's share: (loss sum, samples counted, indices consumed)."""
+        raise NotImplementedError
+
+    def abandon_step(self) -> None:
+        """A step failed before the optimizer ran: drop its gradients."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _set_lr(self, step: int) -> float:
+        factor = lr_factor(step, self.job.train)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+        return self.optimizer.param_groups[0]["lr"]
+
+    def clip(self, max_norm: float) -> None:
+        from gradmesh.parallel.tensor import clip_gradients
+
+        clip_gradients(self.model, max_norm)
+
+    def sync(self, last_micro_batch: bool):
+        return gradient_sync(self.model, self.topology, self.plan, self.options, last_micro_batch)
+
+    @property
+    def weight(self) -> float:
+        return float(self.topology.dp_size)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def checkpoint_state(self, for_load: bool = False) -> dict:
+        """Model and optimizer state keyed by parameter name (DCP reshards it on load)."""
+        owner = self.plan.state_owner
+        return {"model": get_model_state_dict(self.model),
+                "optim": load(owner.optimizer_state)(self.model, self.optimizer, for_load)}
+
+    def install_checkpoint(self, payload: dict) -> None:
+        set_model_state_dict(self.model, payload["model"])
+        load(self.plan.state_owner.load_optimizer_state)(self.model, self.optimizer, payload["optim"])
+
+    def eval_model(self) -> nn.Module:
+        """Collective: a module that evaluates the whole model on this rank."""
+        return self.model
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Collective: the whole unsharded model state on CPU, named as in the plain model."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def replica(self) -> nn.Module | None:
+        """The module whose parameters every rank holds identically, when the plan replicates."""
+        return getattr(self.model, "module", self.model) if self.plan.replicated else None
+
+    def start(self, run_dir, show: bool) -> None:
+        """Before the first step: anything the engine writes to the run directory or shows."""
+
+    def rebuild(self, topology: Topology) -> None:
+        """Re-apply the plan over a new group (in-place recovery); weights come from the new rank 0."""
+        self.topology.retired.append(self.model)
+        self.topology = topology
+        self.model = apply_plan(self.plain, topology, self.plan, self.options)

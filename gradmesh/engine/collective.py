@@ -1,0 +1,44 @@
+"""The collective SPMD engine: ddp, zero1, fsdp, tp and their meshes.
+
+Every rank runs the same step at the same moment: its share of the global batch in
+`grad_accum` micro-batches, gradients synchronised on the last one by whatever the plan's rows
+do (DDP's bucketed all-reduce through gradmesh's reducer, FSDP's reduce-scatter, the flat
+average beside tensor parallelism), then the optimizer.
+"""
+
+import torch
+
+from gradmesh.data import GlobalBatch, fetch
+from gradmesh.engine.base import Engine, StepProbe, to_device
+
+
+class CollectiveEngine(Engine):
+    def micro_batches(self, batch: GlobalBatch) -> list[tuple[list[int], float]]:
+        """(indices, weight per sample) for each micro-batch this rank runs."""
+        topo = self.topology
+        weight = self.weight / batch.size
+        runs = [(m, weight) for m in batch.share(topo.dp_rank, topo.dp_size, self.job.train.grad_accum) if m]
+        # A rank whose share is empty (end of an epoch) still joins the gradient all-reduce:
+        # it runs one sample at weight 0.
+        return runs or [([batch.indices[0]], 0.0)]
+
+    def forward_backward(self, batch: GlobalBatch, probe: StepProbe):
+        runs = self.micro_batches(batch)
+        loss_sum, counted, used = torch.zeros((), device=self.topology.device), 0, []
+        clock = probe.clock
+        for i, (indices, weight) in enumerate(runs):
+            with clock.phase("data"):
+                data = to_device(fetch(self.job.dataset, indices), self.topology.device)
+            with self.sync(last_micro_batch=i == len(runs) - 1):
+                with clock.phase("forward"):
+                    if i == 0:
+                        probe.in_forward()
+                    losses = self.job.loss_fn(self.model, data)
+                probe.beat(1, i)
+                clock.backward(lambda: (losses.sum() * weight).backward())
+            probe.beat(2, i)
+            if weight:
+                loss_sum += losses.detach().sum()
+                counted += len(indices)
+                used += indices
+        return loss_sum, counted, used

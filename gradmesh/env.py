@@ -1,0 +1,85 @@
+"""Every environment variable gradmesh reads, in one place.
+
+The launchers (torch elastic, gradmesh's in-place launcher, a plain `python script.py`) talk to
+the workers through the environment: rank and world, the job's store, the restart attempt,
+in-place recovery's switches. Reading them here, and nowhere else, keeps that contract visible
+and lets a test see the whole of it.
+"""
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the launcher put this worker (torchrun's variables)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def launched() -> bool:
+    """Started by a launcher (torchrun, gradmesh train/run), not as a plain script."""
+    return "RANK" in os.environ
+
+
+def placement() -> Placement:
+    env = os.environ
+    return Placement(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)),
+                     int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def default_master(port: int) -> None:
+    """A plain `python script.py` is rank 0 of 1 and hosts its own store on loopback."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+
+
+def master() -> tuple[str, int] | None:
+    """The job's c10d store (MASTER_ADDR:MASTER_PORT); None outside a launched job."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return (host, int(port)) if host and port else None
+
+
+def restart_count() -> int:
+    """torch elastic's attempt number: > 0 when the worker group was restarted after a failure."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def uses_agent_store() -> bool:
+    """The workers share the elastic agent's store (it outlives restarts)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def collective_timeout() -> float | None:
+    """Seconds a collective may wait (set by the in-place launcher); None: torch's default."""
+    seconds = os.environ.get("GRADMESH_COLLECTIVE_TIMEOUT")
+    return float(seconds) if seconds else None
+
+
+def omp_threads() -> int | None:
+    """The user's OMP_NUM_THREADS, when it is a positive whole number."""
+    text = os.environ.get("OMP_NUM_THREADS", "")
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def set_omp_threads(threads: int) -> None:
+    """For the workers a launcher starts (they inherit the environment)."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def inplace_enabled() -> bool:
+    """Started by the in-place recovery launcher."""
+    return os.environ.get("GRADMESH_INPLACE") == "1"
+
+
+def inplace_joining() -> bool:
+    """A replacement worker, started after a failure to join the running job."""
+    return inplace_enabled() and os.environ.get("GRADMESH_JOIN") == "1"
+
+
+def environment() -> dict[str, str]:
+    """A copy of the whole environment, for a launcher to extend for its workers."""
+    return dict(os.environ)

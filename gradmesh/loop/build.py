@@ -1,0 +1,75 @@
+"""Assembling a run's monitor, services and step probe from its configuration."""
+
+from dataclasses import dataclass, field
+
+from gradmesh.comm import CommCounter
+from gradmesh.config import FaultConfig, MonitorConfig
+from gradmesh.engine import StepProbe
+from gradmesh.errors import UsageError
+from gradmesh.fault.inject import Injector, parse_faults
+from gradmesh.loop.checkpointing import Checkpointing
+from gradmesh.loop.reporting import Evaluation, ReplicaCheck, Reporting
+from gradmesh.loop.services import FaultInjection, SampleRecorder, Service, WatchdogService
+from gradmesh.monitor.breakdown import NullClock
+from gradmesh.monitor.monitor import Monitor
+
+
+@dataclass
+class Services:
+    reporting: Reporting
+    checkpointing: Checkpointing
+    recovery: Service | None = None
+    faults: FaultInjection | None = None
+    watchdog: WatchdogService | None = None
+    all: list[Service] = field(default_factory=list)
+    """In calling order."""
+
+
+def monitor(session, config: MonitorConfig | None, run_dir, plan) -> tuple[Monitor, CommCounter]:
+    counter = CommCounter()
+    mon = Monitor(config or MonitorConfig(), run_dir, session.identity, session.topology.is_main,
+                  same_work=plan.same_work, counter=counter)
+    return mon, counter
+
+
+def services(trainer, faults: FaultConfig) -> Services:
+    """Every service of a run; the order of `all` is the order they are called in."""
+    ctx, train, session = trainer.ctx, trainer.train, trainer.session
+    injector = Injector(parse_faults(faults.inject), session.identity, trainer.run_dir)
+    reporting = Reporting(ctx, trainer.monitor, train.log_every, train.max_steps, session.membership)
+    checkpointing = Checkpointing(ctx, trainer.checkpointing, trainer.sampler, reporting, trainer.run_info,
+                                  on_written=injector.at_checkpoint)
+    found = Services(reporting, checkpointing, faults=FaultInjection(ctx, injector))
+    if faults.step_timeout:
+        from gradmesh.fault.watchdog import Watchdog
+
+        watchdog = Watchdog(faults.step_timeout, session.identity, trainer.topo.world_size, trainer.run_dir)
+        found.watchdog = WatchdogService(watchdog, session.membership)
+    if session.membership:
+        from gradmesh.fault.recovery import InplaceRecovery
+
+        found.recovery = InplaceRecovery(ctx, session.membership, trainer.sampler, reporting, train.max_steps)
+    checks = []
+    if train.eval_every:
+        checks.append(Evaluation(ctx, reporting, trainer.eval_fn, train.eval_every, train.max_steps))
+    checks.append(checkpointing)
+    if trainer.monitor.clock is not None:
+        checks.append(ReplicaCheck(ctx, reporting, trainer.monitor.config.check_every))
+    recorder = [SampleRecorder(ctx)] if train.record_samples else []
+    found.all = [s for s in (found.watchdog, found.faults, reporting, found.recovery) if s] + recorder + checks
+    if found.recovery:
+        found.recovery.services = [s for s in found.all if s is not found.recovery]
+    return found
+
+
+def probe(mon: Monitor, found: Services) -> StepProbe:
+    beat = found.watchdog.beat if found.watchdog else StepProbe().beat
+    return StepProbe(mon.clock or NullClock(), beat, found.faults.slow_down)
+
+
+def check_lockstep(all_services: list[Service], plan_label: str) -> None:
+    """An engine whose ranks do not run in lockstep cannot run services that need it."""
+    needy = [type(s).__name__ for s in all_services if s.lockstep]
+    if needy:
+        raise UsageError(f"strategy {plan_label} does not run every rank in lockstep, but "
+                         f"{', '.join(needy)} need(s) it; use their per-role variants")

@@ -1,0 +1,81 @@
+"""Checkpoints as a service: written every N steps and at the end, and resumed from at the start."""
+
+import torch
+import torch.distributed as dist
+
+from gradmesh import rundir
+from gradmesh.config import CheckpointConfig
+from gradmesh.data import GlobalOrderSampler
+from gradmesh.fault import checkpoint
+from gradmesh.loop.services import RunContext, Service
+
+
+class Checkpointing(Service):
+    lockstep = True
+
+    def __init__(self, ctx: RunContext, config: CheckpointConfig, sampler: GlobalOrderSampler, reporting,
+                 run_info: dict, on_written=lambda step: None):
+        self.ctx, self.config, self.sampler, self.reporting = ctx, config, sampler, reporting
+        self.run_info, self.on_written = run_info, on_written
+        self.checkpointer = self._checkpointer()
+
+    def _checkpointer(self) -> checkpoint.Checkpointer | None:
+        ctx = self.ctx
+        if not ctx.run_dir:
+            return None
+        return checkpoint.Checkpointer(ctx.run_dir, ctx.topology.side_group("checkpoint"), ctx.is_main,
+                                       self.config.keep, self.config.async_save, on_written=self.on_written)
+
+    def regrouped(self) -> None:
+        self.checkpointer = self._checkpointer()
+
+    def after_step(self, outcome, elapsed: float) -> None:
+        if self.config.every and outcome.step % self.config.every == 0:
+            self.save(outcome.step)
+
+    def save(self, step: int) -> None:
+        if self.checkpointer is None:
+            return
+        self.reporting.reporter.flush()  # the metrics of every step the checkpoint covers are on disk with it
+        topo = self.ctx.topology
+        state = {"step": step, "sampler": self.sampler.state_dict(), "world_size": topo.world_size,
+                 "strategy": self.ctx.engine.plan.label, "run": self.run_info}
+        with self.reporting.monitor.timed("checkpoint", step):  # checkpoint I/O, outside the step's phases
+            self.checkpointer.save(step, self.ctx.engine, state)
+
+    def finish_run(self, max_steps: int, steps_run: int) -> None:
+        """The last step is always checkpointed; an async write in flight is published."""
+        if self.ctx.run_dir and steps_run and (self.config.every == 0 or max_steps % self.config.every):
+            self.save(max_steps)
+        if self.checkpointer:
+            self.checkpointer.wait()
+
+    def restore(self, restarted: bool) -> int:
+        """Collective: load the newest intact checkpoint when resuming or restarted; the step it holds."""
+        if not ((self.config.resume or restarted) and self.checkpointer):
+            return 0
+        # Rank 0 verifies checksums and picks the newest intact checkpoint for everyone.
+        chosen = torch.tensor([-1], dtype=torch.int64)
+        if self.ctx.is_main:
+            path = checkpoint.latest_good_checkpoint(self.ctx.run_dir, warn=self.reporting.note)
+            chosen[0] = int(path.name.split("-")[1]) if path else -1
+        dist.broadcast(chosen, src=0, group=self.checkpointer.group)
+        if chosen.item() < 0 and restarted and not self.config.resume:
+            self._forget_steps_after(0)  # failed before its first checkpoint: start again
+            return 0
+        if chosen.item() < 0:
+            raise checkpoint.CheckpointError(f"--resume: no intact checkpoint under {self.ctx.run_dir / 'checkpoints'}")
+        path = checkpoint.checkpoint_root(self.ctx.run_dir) / f"step-{chosen.item()}"
+        state = self.checkpointer.load(path, self.ctx.engine)
+        self.sampler.load_state_dict(state["sampler"])
+        self._forget_steps_after(state["step"])
+        self.reporting.note(f"resumed from {path} (step {state['step']}, written by {state.get('strategy')} "
+                            f"at world size {state.get('world_size')})")
+        return state["step"]
+
+    def _forget_steps_after(self, step: int) -> None:
+        """Records of steps after the checkpoint go: the resumed run does them again, once."""
+        run_dir, me = self.ctx.run_dir, self.ctx.identity
+        shared = ["metrics.jsonl", "alerts.jsonl"] if self.ctx.is_main else []
+        for name in shared + [f"samples-rank{me}.jsonl", f"steps-rank{me}.jsonl"]:
+            rundir.truncate_steps(run_dir / name, step)

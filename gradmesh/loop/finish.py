@@ -1,0 +1,45 @@
+"""The end of a run: the last checkpoint, the final weights and summary.json."""
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from gradmesh.engine import peak_memory_bytes
+from gradmesh.loop.reporting import evaluate
+
+
+def _peak_memory(topology) -> list[int]:
+    peaks = torch.tensor([peak_memory_bytes(topology.device)], dtype=torch.int64, device=topology.device)
+    gathered = [torch.zeros_like(peaks) for _ in range(topology.world_size)]
+    dist.all_gather(gathered, peaks, group=topology.group("world"))
+    return [int(t.item()) for t in gathered]
+
+
+def finish_run(trainer, start_step: int, wall: float) -> dict:
+    """Collective: evaluate, checkpoint the last step, gather the final weights; rank 0 writes
+    model.safetensors and summary.json. Returns the summary."""
+    topo, train, reporting = trainer.topo, trainer.train, trainer.services.reporting
+    eval_metrics = evaluate(trainer.ctx, trainer.eval_fn)
+    steps = train.max_steps - start_step
+    trainer.services.checkpointing.finish_run(train.max_steps, steps)
+    weights = trainer.engine.full_state()
+    history, train_time = reporting.history, reporting.train_time
+    summary = {
+        "steps": train.max_steps, "steps_this_run": steps, "samples": reporting.samples,
+        "wall_s": wall, "train_s": train_time,
+        "samples_per_s": (reporting.samples - trainer.samples_before(start_step)) / train_time if train_time else 0.0,
+        "final_loss": history[-1]["loss"] if history else float("nan"), "eval": eval_metrics,
+        "world_size": topo.world_size, "strategy": trainer.plan.label, "peak_memory_bytes": _peak_memory(topo),
+        "model_state_bytes": history[-1]["model_state_bytes"] if history else [],
+        "run_dir": str(trainer.run_dir) if trainer.run_dir else "", **trainer.run_info,
+        **(trainer.monitor.summary(history) if topo.is_main else {}),
+    }
+    trainer.final_weights = weights if topo.is_main else None
+    if topo.is_main and trainer.run_dir:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(trainer.run_dir / "model.safetensors"))
+        (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    trainer.monitor.close()
+    return summary

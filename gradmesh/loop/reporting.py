@@ -1,0 +1,117 @@
+"""Step reporting: every rank's figures gathered into metrics.jsonl, the monitor's view of them,
+the progress bar, and the replica check and evaluation that share the reporter's group."""
+
+import torch
+
+from gradmesh.loop.services import RunContext, Service
+from gradmesh.monitor import consistency, trace
+from gradmesh.monitor.monitor import Monitor
+from gradmesh.monitor.progress import TrainingProgress
+from gradmesh.monitor.reporter import StepRecord, StepReporter
+
+
+class Reporting(Service):
+    lockstep = True
+
+    def __init__(self, ctx: RunContext, monitor: Monitor, log_every: int, max_steps: int, membership=None):
+        self.ctx, self.monitor, self.log_every, self.membership = ctx, monitor, log_every, membership
+        self.progress = TrainingProgress(max_steps, enabled=ctx.is_main and not ctx.quiet)
+        self.samples, self.train_time = 0, 0.0
+        self.history: list[dict] = []
+        self.reporter = self._reporter()
+
+    def _reporter(self) -> StepReporter:
+        ctx = self.ctx
+        path = ctx.run_dir / "metrics.jsonl" if ctx.run_dir and ctx.is_main else None
+        reporter = StepReporter(ctx.topology.side_group("metrics"), self.log_every, path, on_record=self._show,
+                                membership=self.membership, on_row=self.monitor.on_row if ctx.is_main else None,
+                                with_breakdown=self.monitor.clock is not None)
+        reporter.history = self.history  # one history across regroups
+        return reporter
+
+    def start(self, first_step: int) -> None:
+        self.progress.start = first_step
+        self.monitor.start()
+
+    def before_step(self, step: int) -> None:
+        if self.monitor.clock:
+            self.monitor.clock.begin(step)
+
+    def after_step(self, outcome, elapsed: float) -> None:
+        step, batch = outcome.step, outcome.batch
+        figures = torch.cat([outcome.figures, torch.tensor(self.monitor.step_figures(step), dtype=torch.float64)])
+        self.train_time += elapsed
+        self.samples += batch.size
+        self.reporter.add(StepRecord(step, batch.epoch, batch.size, self.samples, outcome.lr, elapsed, figures))
+
+    def _show(self, row: dict) -> None:
+        self.progress.update(row["step"], row["loss"], row["samples_per_s"])
+
+    def note(self, text: str) -> None:
+        self.progress.note(text)
+
+    def regrouped(self) -> None:
+        self.reporter = self._reporter()
+        self.progress.enabled = self.ctx.is_main and not self.ctx.quiet
+
+    def finish(self) -> None:
+        self.reporter.flush()
+        clock, ctx = self.monitor.clock, self.ctx
+        if clock and clock.trace_range:
+            trace.gather_and_write(clock.events, ctx.topology.rank, ctx.topology.world_size, self.reporter.group,
+                                   ctx.run_dir / "trace.json" if ctx.run_dir else None)
+        self.progress.close()
+
+
+class ReplicaCheck(Service):
+    """Replicated plans (ddp, zero1) compare parameter checksums; rank 0 reports a divergence."""
+
+    lockstep = True
+
+    def __init__(self, ctx: RunContext, reporting: Reporting, every: int):
+        self.ctx, self.reporting, self.every, self.diverged = ctx, reporting, every, False
+
+    def after_step(self, outcome, elapsed: float) -> None:
+        module = self.ctx.engine.replica()
+        if not self.every or outcome.step % self.every or module is None or self.ctx.topology.world_size < 2:
+            return
+        found = consistency.compare_replicas(module, self.reporting.reporter.group, self.ctx.topology.world_size)
+        reported, self.diverged = self.diverged, bool(found)
+        if found and self.ctx.is_main and not reported:  # once, until the replicas agree again
+            step, ranks = outcome.step, ", ".join(map(str, found["ranks"]))
+            self.reporting.monitor.alert({
+                "step": step, "kind": "divergence", "rank": found["ranks"][0], "tensor": found["tensor"],
+                "message": f"replicas diverged by step {step}: rank(s) {ranks} differ from the others, "
+                           f"first in {found['tensor']!r} ({found['differing_tensors']} tensor(s) differ)"})
+
+
+def evaluate(ctx: RunContext, eval_fn) -> dict:
+    """Collective (a pipeline gathers its stages): the eval function on the whole model."""
+    if eval_fn is None:
+        return {}
+    model = ctx.engine.eval_model()
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        metrics = eval_fn(model)
+    model.train(was_training)
+    return metrics
+
+
+class Evaluation(Service):
+    """--eval-every: held-out metrics during the run (the last step's come with the summary)."""
+
+    lockstep = True
+
+    def __init__(self, ctx: RunContext, reporting: Reporting, eval_fn, every: int, max_steps: int):
+        self.ctx, self.reporting, self.eval_fn = ctx, reporting, eval_fn
+        self.every, self.max_steps = every, max_steps
+
+    def after_step(self, outcome, elapsed: float) -> None:
+        step = outcome.step
+        if not self.every or step % self.every or step >= self.max_steps:
+            return
+        metrics = evaluate(self.ctx, self.eval_fn)
+        if metrics and self.ctx.is_main:
+            self.reporting.note(f"step {step} eval " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+

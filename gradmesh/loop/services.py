@@ -1,0 +1,115 @@
+"""Services: what happens around each step, behind one small interface.
+
+The loop calls every service before a step, after it, when in-place recovery has formed a new
+group, and at the end. A service that runs a collective (the metrics gather, checkpoints, the
+replica check, evaluation) needs every rank at the same step and says so (`lockstep`); an engine
+whose ranks do not run in lockstep is paired with per-role variants of those instead.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from gradmesh.engine import Engine, StepOutcome
+from gradmesh.topology import Topology
+
+
+@dataclass
+class RunContext:
+    """What services share: where the run is and who this worker is."""
+
+    topology: Topology
+    engine: Engine
+    run_dir: Path | None
+    identity: int
+    """The rank this worker was started as (kept when in-place recovery renumbers ranks)."""
+    quiet: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.topology.is_main
+
+
+class Service:
+    lockstep = False
+    """True: calls a collective, so every rank must reach the same step."""
+
+    def start(self, first_step: int) -> None:
+        """After the run directory is prepared and any checkpoint loaded."""
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_step(self, outcome: StepOutcome, elapsed: float) -> None:
+        pass
+
+    def regrouped(self) -> None:
+        """In-place recovery formed a new group: rebuild what belonged to the old one."""
+
+    def finish(self) -> None:
+        pass
+
+
+class SampleRecorder(Service):
+    """--record-samples: the sample indices this rank consumed, per step."""
+
+    def __init__(self, ctx: RunContext):
+        self.ctx, self.file = ctx, None
+
+    def start(self, first_step: int) -> None:
+        if self.ctx.run_dir:
+            self.file = open(self.ctx.run_dir / f"samples-rank{self.ctx.identity}.jsonl", "a", buffering=1)
+
+    def after_step(self, outcome: StepOutcome, elapsed: float) -> None:
+        if self.file:
+            batch = outcome.batch
+            self.file.write(json.dumps({"step": outcome.step, "epoch": batch.epoch, "indices": outcome.indices}) + "\n")
+
+    def finish(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+class FaultInjection(Service):
+    """--inject: kills and hangs before a step, a straggler's delay inside it, divergence after it."""
+
+    def __init__(self, ctx: RunContext, injector):
+        self.ctx, self.injector = ctx, injector
+        self.slept = self.own_time = 0.0
+
+    def before_step(self, step: int) -> None:
+        self.injector.before_step(step)
+        self.slept = 0.0
+
+    def slow_down(self) -> None:
+        """In the forward phase: an injected straggler shows as slow compute."""
+        self.slept += self.injector.slow_down(self.own_time)
+
+    def after_step(self, outcome: StepOutcome, elapsed: float) -> None:
+        self.injector.after_step(outcome.step, self.ctx.engine.model)
+        self.own_time = elapsed - self.slept
+
+
+class WatchdogService(Service):
+    """--step-timeout: a heartbeat per phase; evaluation and checkpoints are not steps."""
+
+    def __init__(self, watchdog, membership=None):
+        self.watchdog, self.membership, self.step = watchdog, membership, 0
+        if membership:
+            watchdog.ranks = list(membership.members)
+
+    def before_step(self, step: int) -> None:
+        self.step = step
+        self.watchdog.beat(step, 0)
+
+    def beat(self, phase: int, micro: int = 0) -> None:
+        self.watchdog.beat(self.step, phase, micro)
+
+    def after_step(self, outcome: StepOutcome, elapsed: float) -> None:
+        self.watchdog.pause()
+
+    def regrouped(self) -> None:
+        self.watchdog.ranks = list(self.membership.members)
+
+    def finish(self) -> None:
+        self.watchdog.stop()

@@ -1,0 +1,141 @@
+"""The training loop and the public API.
+
+    session = gradmesh.init()                       # process group + topology (any world size)
+    trainer = gradmesh.Trainer(session, model, per_sample_loss, dataset, train=TrainConfig(...))
+    trainer.fit()                                   # global-order batches, any strategy, checkpoints, metrics
+
+The loss function returns one loss per sample. Pipeline parallelism also needs the loss split
+from the model, `criterion(output, target) -> per-sample losses`, with batches (inputs, target).
+
+The loop draws each global batch, hands it to the step engine the strategy registry names, and
+hands the outcome to the services (`gradmesh.loop.services`); the engine takes its rank's share
+and weights every sample exactly (`gradmesh.engine.base`).
+"""
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gradmesh import env, rundir
+from gradmesh.comm import CommCounter, build_reducer
+from gradmesh.config import CheckpointConfig, FaultConfig, MonitorConfig, TrainConfig
+from gradmesh.data import GlobalOrderSampler
+from gradmesh.engine import Job, build_engine
+from gradmesh.errors import UsageError
+from gradmesh.loop import build
+from gradmesh.loop.finish import finish_run
+from gradmesh.loop.session import Session, init
+from gradmesh.loop.services import RunContext
+from gradmesh.monitor.progress import print_summary
+from gradmesh.parallel.registry import resolve
+
+LossFn = Callable[[nn.Module, object], torch.Tensor]
+OptimizerSpec = tuple[type[torch.optim.Optimizer], dict]
+
+
+def optimizer_spec(train: TrainConfig) -> OptimizerSpec:
+    """(optimizer class, keyword arguments) from the config's adamw|sgd choice."""
+    if train.optimizer == "sgd":
+        return torch.optim.SGD, {"lr": train.lr, "momentum": train.momentum, "weight_decay": train.weight_decay}
+    return torch.optim.AdamW, {"lr": train.lr, "weight_decay": train.weight_decay}
+
+
+class Trainer:
+    """Runs `train.max_steps` optimizer steps of `model` on `dataset` across the session's ranks."""
+
+    def __init__(self, session: Session, model: nn.Module, loss_fn: LossFn, dataset, *,
+                 train: TrainConfig | None = None, checkpointing: CheckpointConfig | None = None,
+                 optimizer: OptimizerSpec | None = None, run_dir: str | Path | None = None,
+                 eval_fn: Callable[[nn.Module], dict] | None = None, quiet: bool = False,
+                 run_info: dict | None = None, criterion: Callable | None = None,
+                 faults: FaultConfig | None = None, monitor: MonitorConfig | None = None):
+        self.session, self.topo = session, session.topology
+        self.train = train or TrainConfig()
+        self.checkpointing = checkpointing or CheckpointConfig()
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.eval_fn, self.run_info = eval_fn, run_info or {}
+        self.restarted = env.restart_count() > 0
+        self.plan = resolve(self.train.strategy, self.topo.mesh_shape)
+        self.monitor, self.counter = build.monitor(session, monitor, self.run_dir, self.plan)
+        optimizer_class, kwargs = optimizer or optimizer_spec(self.train)
+        reducer = build_reducer(self.counter, self.monitor.clock, session.membership)
+        job = Job(loss_fn, dataset, self.train, optimizer_class, kwargs, criterion, reducer, self.counter)
+        self.engine = build_engine(self.topo, self.plan, model, job)
+        self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
+        self.ctx = RunContext(self.topo, self.engine, self.run_dir, session.identity, quiet)
+        self.services = build.services(self, faults or FaultConfig())
+        self.probe = build.probe(self.monitor, self.services)
+        self.stepper = self.services.recovery or self.engine
+        if not self.engine.lockstep:
+            build.check_lockstep(self.services.all, self.plan.label)
+        if session.joined:  # a replacement: the state comes from a live peer
+            self.services.recovery.after_regroup([])
+
+    @property
+    def model(self) -> nn.Module:
+        return self.engine.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def history(self) -> list[dict]:
+        """Per-step records (as in metrics.jsonl) of this run, up to the last reported step."""
+        return self.services.reporting.history
+
+    def fit(self) -> dict:
+        start_step = self._prepare()
+        wall_start = time.perf_counter()
+        for step in range(start_step + 1, self.train.max_steps + 1):
+            for service in self.services.all:
+                service.before_step(step)
+            batch = self.sampler.next_global()
+            tic = time.perf_counter()
+            outcome = self.stepper.step(batch, self.probe)
+            elapsed = time.perf_counter() - tic
+            for service in self.services.all:
+                service.after_step(outcome, elapsed)
+        for service in self.services.all:
+            service.finish()
+        self.summary = finish_run(self, start_step, time.perf_counter() - wall_start)
+        return self.summary
+
+    def _prepare(self) -> int:
+        """The run directory, the engine's own files, any checkpoint; the step to go on from."""
+        joined = self.session.joined
+        if self.run_dir and self.topo.is_main and not joined:
+            rundir.ensure_writable(self.run_dir)
+            if not (self.checkpointing.resume or self.restarted):
+                rundir.clear_previous_run(self.run_dir)
+        self.engine.start(self.run_dir if not joined else None, self.topo.is_main and not self.ctx.quiet)
+        if joined:
+            start_step = self.sampler.step
+        else:
+            dist.barrier(group=self.topo.group("world"))
+            start_step = self.services.checkpointing.restore(self.restarted)
+        self.services.reporting.samples = self.samples_before(start_step)
+        for service in self.services.all:
+            service.start(start_step)
+        return start_step
+
+    def samples_before(self, step: int) -> int:
+        """Samples consumed by the first `step` steps (only an epoch's last batch is short)."""
+        epochs, rest = divmod(step, self.sampler.batches_per_epoch)
+        return epochs * self.sampler.dataset_len + rest * self.train.global_batch_size
+
+    def evaluate(self) -> dict:
+        from gradmesh.loop.reporting import evaluate
+
+        return evaluate(self.ctx, self.eval_fn)
+
+    def print_summary(self, sample: str | None = None) -> None:
+        if self.topo.is_main and not self.ctx.quiet:
+            print_summary(self.summary, sample)
+
+
+__all__ = ["Trainer", "Session", "init", "optimizer_spec", "UsageError"]

@@ -1,0 +1,13 @@
+"""What applying a strategy needs besides the model and the topology."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ApplyOptions:
+    reducer: object
+    """gradmesh.comm.Reducer: the one path data-parallel gradients are averaged on."""
+    bucket_mb: float = 25.0
+    """DDP's gradient bucket size in MiB."""
+    pipeline: object = None
+    """gradmesh.parallel.pipeline.PipelineOptions when the plan has a pipeline axis."""

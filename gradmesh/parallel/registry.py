@@ -1,0 +1,222 @@
+"""The strategy registry: one row per strategy, read by everything that needs to know one.
+
+A row says which mesh axis the strategy spreads over, which roles its ranks play, which step
+engine runs it, how it is applied to a plain model (functions named "module:function" and
+imported on first use, so the CLI reads the table without importing torch), what it checks
+before launch, and its formulas for model-state bytes and bytes on the wire per rank and step.
+The CLI, the composition, checkpoints, monitoring and the planner ask the registry; nothing
+else compares strategy names.
+
+A mesh of several axes resolves to a `Plan`: the rows of its axes in the fixed composition
+order (tensor parallel, then the pipeline split, then data parallelism or sharding).
+
+Adding a strategy: write its apply function (and engine, if no existing family fits), add a
+row here, and the CLI, checks, checkpoints and formulas pick it up.
+"""
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gradmesh.errors import UsageError
+from gradmesh.mesh import parse_mesh
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the formulas need to know of a model and its step, per data-parallel replica."""
+
+    params: int
+    """P: parameter count."""
+    slots: int = 2
+    """Optimizer state tensors per parameter (AdamW 2, SGD with momentum 1, plain SGD 0)."""
+    tp_params: int = 0
+    """Parameters the tensor-parallel plan splits (the rest is replicated)."""
+    layers: int = 1
+    """Transformer blocks (tensor parallel all-reduces activations in each)."""
+    activation_bytes: int = 0
+    """Bytes of one block-boundary activation of this replica's share of a global batch."""
+
+
+def _ring(n: int) -> float:
+    """The share of a buffer each rank sends in a ring reduce-scatter or all-gather."""
+    return (n - 1) / n
+
+
+def _all_bytes(size: ModelSize) -> float:
+    return FP32 * size.params * (2 + size.slots)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    axis: str
+    """The mesh axis it spreads over when it runs alone."""
+    engine: str
+    """Step engine family (`gradmesh.engine.ENGINES`): collective or pipeline."""
+    apply: str
+    """(model, topology, options) -> model: this strategy applied to a plain model."""
+    summary: str
+    """One line for --help and the docs."""
+    state_bytes: Callable[[ModelSize, int], float]
+    """Bytes of parameters, gradients and optimizer state one rank holds at degree N (fp32)."""
+    wire_bytes: Callable[[ModelSize, int], float]
+    """Bytes one rank sends per optimizer step at degree N (ring collectives)."""
+    roles: tuple[str, ...] = ("worker",)
+    sync: str = "gradmesh.parallel.data:ddp_sync"
+    """(model, last_micro_batch) -> context around one micro-batch's backward."""
+    optimizer: str = "gradmesh.parallel.state:plain_optimizer"
+    """(params, topology, optimizer_class, **kwargs) -> optimizer."""
+    optimizer_state: str = "gradmesh.parallel.state:named_optimizer_state"
+    """(model, optimizer, for_load) -> {"state": {parameter name: {name: tensor}}} for checkpoints."""
+    load_optimizer_state: str = "gradmesh.parallel.state:install_optimizer_state"
+    checks: tuple[Callable, ...] = ()
+    """Pre-launch checks: check(cfg, mesh, meta_model) raises UsageError."""
+    splits_model: bool = False
+    """Each rank holds a different part of the model (tensor or pipeline parallel)."""
+    beside_model_parallel: tuple[str, str] | None = None
+    """(apply, sync) used instead when the mesh also splits the model (DDP takes no DTensor or stage)."""
+    replicated: bool = False
+    """Every rank holds identical parameters: the replica check applies."""
+    same_work: bool = True
+    """Every rank does the same work per step, so a slow one is a straggler."""
+    inplace_recovery: bool = False
+    """A lost rank holds nothing the others lack: survivors can go on in place."""
+
+
+def load(ref: str) -> Callable:
+    """'module:function' -> the function (imported on first use)."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _check_tp(cfg, mesh: dict[str, int], meta_model) -> None:
+    from gradmesh.parallel.tensor import check_tp_degree
+
+    check_tp_degree(cfg.model.name, cfg.model.n_head, cfg.model.n_embd, mesh["tp"])
+
+
+def _check_pipeline(cfg, mesh: dict[str, int], meta_model) -> None:
+    from gradmesh.parallel.pipeline import check_pipeline
+
+    train = cfg.train
+    check_pipeline(meta_model(), schedule=train.pp_schedule, microbatches=train.microbatches,
+                   split=train.split_points, pp=mesh["pp"], grad_accum=train.grad_accum,
+                   local_batch=train.global_batch_size // mesh.get("dp", 1))
+
+
+def _tp_state(size: ModelSize, n: int) -> float:
+    return FP32 * (2 + size.slots) * (size.params - size.tp_params + size.tp_params / n)
+
+
+ROWS = (
+    Strategy("ddp", "dp", "collective", "gradmesh.parallel.data:apply_ddp",
+             "data parallel: replicas, gradients averaged by all-reduce (torch DDP)",
+             state_bytes=lambda size, n: _all_bytes(size),
+             wire_bytes=lambda size, n: 2 * _ring(n) * FP32 * size.params,
+             beside_model_parallel=("gradmesh.parallel.data:apply_local", "gradmesh.parallel.data:flat_average_sync"),
+             replicated=True, inplace_recovery=True),
+    Strategy("zero1", "dp", "collective", "gradmesh.parallel.data:apply_ddp",
+             "ZeRO-1: data parallel with the optimizer state sharded (ZeroRedundancyOptimizer)",
+             state_bytes=lambda size, n: FP32 * size.params * (2 + size.slots / n),
+             wire_bytes=lambda size, n: 3 * _ring(n) * FP32 * size.params,
+             optimizer="gradmesh.parallel.sharded:zero1_optimizer",
+             optimizer_state="gradmesh.parallel.sharded:zero1_state",
+             load_optimizer_state="gradmesh.parallel.sharded:zero1_loaded",
+             replicated=True),
+    Strategy("fsdp", "fsdp", "collective", "gradmesh.parallel.sharded:apply_fsdp",
+             "fully sharded: parameters, gradients and optimizer state split (FSDP2)",
+             state_bytes=lambda size, n: _all_bytes(size) / n,
+             wire_bytes=lambda size, n: 3 * _ring(n) * FP32 * size.params,
+             sync="gradmesh.parallel.sharded:fsdp_sync"),
+    Strategy("tp", "tp", "collective", "gradmesh.parallel.tensor:apply_tp",
+             "tensor parallel: attention heads and MLP columns split (DTensor plans)",
+             state_bytes=_tp_state,
+             wire_bytes=lambda size, n: 4 * size.layers * 2 * _ring(n) * size.activation_bytes,
+             sync="gradmesh.parallel.data:no_sync", checks=(_check_tp,), splits_model=True),
+    Strategy("pipeline", "pp", "pipeline", "gradmesh.parallel.pipeline:apply_pipeline",
+             "pipeline parallel: stages of layers, micro-batches in flight (gpipe, 1f1b, interleaved)",
+             state_bytes=lambda size, n: _all_bytes(size) / n,
+             wire_bytes=lambda size, n: 2 * _ring(n) * size.activation_bytes,
+             sync="gradmesh.parallel.data:no_sync", checks=(_check_pipeline,), splits_model=True,
+             same_work=False),
+)
+STRATEGIES = {row.name: row for row in ROWS}
+AXIS_STRATEGY = {"dp": "ddp", "fsdp": "fsdp", "tp": "tp", "pp": "pipeline"}
+"""The strategy each mesh axis stands for when several axes compose."""
+COMPOSITION_ORDER = ("tp", "pp", "fsdp", "dp")
+"""Tensor parallel rewrites modules, the pipeline cuts the rewritten model, data parallelism or
+sharding then spreads whatever each rank holds."""
+SUPPORTED_MESHES = tuple(frozenset(axes) for axes in (
+    {"dp"}, {"fsdp"}, {"tp"}, {"pp"}, {"dp", "tp"}, {"fsdp", "tp"}, {"dp", "pp"}))
+
+
+def get(name: str) -> Strategy:
+    if name not in STRATEGIES:
+        raise UsageError(f"strategy {name!r} is not one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The strategies one job composes, on its named mesh."""
+
+    label: str
+    mesh: dict
+    rows: tuple[Strategy, ...]
+    """In composition order."""
+
+    @property
+    def engine(self) -> str:
+        return "pipeline" if any(row.engine == "pipeline" for row in self.rows) else "collective"
+
+    @property
+    def alone(self) -> Strategy | None:
+        return self.rows[0] if len(self.rows) == 1 else None
+
+    @property
+    def splits_model(self) -> bool:
+        return any(row.splits_model for row in self.rows)
+
+    @property
+    def replicated(self) -> bool:
+        return all(row.replicated for row in self.rows)
+
+    @property
+    def same_work(self) -> bool:
+        return all(row.same_work for row in self.rows)
+
+    @property
+    def inplace_recovery(self) -> bool:
+        return all(row.inplace_recovery for row in self.rows)
+
+    @property
+    def state_owner(self) -> Strategy:
+        """The row whose optimizer and optimizer-state functions the job uses (the data axis's)."""
+        return self.rows[-1]
+
+    def check(self, cfg, meta_model) -> None:
+        """Every row's pre-launch checks."""
+        for row in self.rows:
+            for check in row.checks:
+                check(cfg, self.mesh, meta_model)
+
+
+def mesh_for(name: str, world_size: int, mesh: str = "") -> dict[str, int]:
+    """The named mesh: `--mesh` when given, else the strategy's own axis over every rank."""
+    return parse_mesh(mesh, SUPPORTED_MESHES) if mesh else {get(name).axis: world_size}
+
+
+def resolve(name: str, mesh: dict[str, int]) -> Plan:
+    """The strategy named, or the composition its mesh describes (several axes)."""
+    row = get(name)
+    if set(mesh) == {row.axis}:
+        return Plan(row.name, dict(mesh), (row,))
+    rows = tuple(STRATEGIES[AXIS_STRATEGY[axis]] for axis in COMPOSITION_ORDER if axis in mesh)
+    label = rows[0].name if len(rows) == 1 else ",".join(f"{axis}={size}" for axis, size in mesh.items())
+    return Plan(label, dict(mesh), rows)
+
+
+__all__ = ["Strategy", "Plan", "ModelSize", "ROWS", "STRATEGIES", "get", "resolve", "mesh_for", "load"]

@@ -1,0 +1,60 @@
+"""The small option languages of the command line, parsed where the config is checked.
+
+`--inject` takes fault specifications (kill, hang, slow, diverge). Their grammar lives here,
+at the config layer, so that checking a config needs no fault-handling code; the injector
+(`gradmesh.fault.inject`) acts on the parsed `Fault` records.
+"""
+
+from dataclasses import dataclass
+
+from gradmesh.errors import UsageError
+
+KINDS = {"kill": {"rank", "step", "at"}, "hang": {"rank", "step"}, "slow": {"rank", "factor", "delay"},
+         "diverge": {"rank", "step"}}
+FORMS = ("kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, slow:rank=R,factor=F|delay=SECONDS "
+         "or diverge:rank=R,step=N")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int = 0
+    at: str = "step"
+    """kill only: 'step' (before the step runs) or 'checkpoint' (mid-write of that step's checkpoint)."""
+    factor: float = 1.0
+    delay: float = 0.0
+    """slow only: seconds added to every step (factor multiplies the step's own time)."""
+
+    @property
+    def label(self) -> str:
+        if self.kind == "slow":
+            return f"slow:rank={self.rank},factor={self.factor:g}" + (f",delay={self.delay:g}" if self.delay else "")
+        at = ",at=checkpoint" if self.at == "checkpoint" else ""
+        return f"{self.kind}:rank={self.rank},step={self.step}{at}"
+
+
+def _parse_one(text: str) -> Fault:
+    kind, _, rest = text.strip().partition(":")
+    fields = dict(part.partition("=")[::2] for part in rest.split(",") if part)
+    if kind not in KINDS or not rest or set(fields) - KINDS[kind] or "rank" not in fields:
+        raise UsageError(f"--inject {text!r}: expected {FORMS}")
+    try:
+        fault = Fault(kind, int(fields["rank"]), step=int(fields.get("step", 0)), at=fields.get("at", "step"),
+                      factor=float(fields.get("factor", 1.0)), delay=float(fields.get("delay", 0.0)))
+    except ValueError:
+        raise UsageError(f"--inject {text!r}: rank and step must be whole numbers, factor a number; expected {FORMS}") from None
+    if (kind != "slow" and fault.step < 1 or fault.rank < 0 or fault.at not in ("step", "checkpoint")
+            or fault.factor < 1 or fault.delay < 0):
+        raise UsageError(f"--inject {text!r}: needs rank >= 0, step >= 1, factor >= 1, delay >= 0, at=step|checkpoint")
+    return fault
+
+
+def parse_faults(text: str) -> list[Fault]:
+    return [_parse_one(part) for part in text.split(";") if part.strip()]
+
+
+def check_ranks(faults: list[Fault], world_size: int) -> None:
+    for fault in faults:
+        if fault.rank >= world_size:
+            raise UsageError(f"--inject {fault.label}: rank {fault.rank} does not exist (ranks 0..{world_size - 1})")
