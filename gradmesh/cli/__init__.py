@@ -1,0 +1,38 @@
+"""The `gradmesh` command: `train` and `run` check everything, then start workers; `export`,
+`monitor` and `report` read a run directory. One module per command, each with `add_parser` and
+its `cmd_*`; what they share is in `options`.
+
+All input is validated here, before any worker starts: a bad value prints one line naming it
+and what is accepted, and exits with code 2. Nothing here imports torch until a command runs:
+`gradmesh --help` and a usage error would otherwise wait a second for it.
+"""
+
+import sys
+
+from gradmesh.cli import export, monitor, run, train
+from gradmesh.cli.options import Parser
+from gradmesh.errors import EXIT_USAGE, UsageError
+
+COMMANDS = {"train": train.cmd_train, "run": run.cmd_run, "export": export.cmd_export,
+            "monitor": monitor.cmd_monitor, "report": monitor.cmd_report}
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="gradmesh", description="Distributed training for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
+    for command in (train, run, export, monitor):  # the order `gradmesh --help` lists them in
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        code = COMMANDS[args.command](args)
+    except UsageError as err:
+        print(f"gradmesh: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("gradmesh: interrupted", file=sys.stderr)
+        return 130
+    return code

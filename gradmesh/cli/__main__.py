@@ -1,0 +1,5 @@
+import sys
+
+from gradmesh.cli import main
+
+sys.exit(main())

@@ -1,0 +1,46 @@
+"""`gradmesh monitor` (a live dashboard) and `gradmesh report` (static HTML): both read a run directory."""
+
+import argparse
+from pathlib import Path
+
+from gradmesh.cli.options import port_type
+from gradmesh.errors import UsageError
+
+
+def add_parser(subparsers) -> None:
+    monitor = subparsers.add_parser("monitor", help="live web dashboard of a run directory",
+                                    description="Serve a live dashboard of RUN_DIR: loss, throughput, where each rank's step "
+                                                "time goes, memory per rank, and straggler and divergence alerts. Works while "
+                                                "the run trains (updates every second) and after it has finished. Stop with Ctrl-C.")
+    monitor.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a gradmesh train run")
+    monitor.add_argument("--port", type=port_type, default=8265, metavar="P", help="port to listen on (default 8265)")
+    monitor.add_argument("--host", default="127.0.0.1", metavar="H",
+                         help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 exposes the "
+                              "dashboard to the network)")
+    report = subparsers.add_parser("report", help="write a static HTML report with plots of a run directory",
+                                   description="Write RUN_DIR/report.html with PNG plots in RUN_DIR/report/: loss, throughput, "
+                                               "step-time breakdown and memory per rank, a summary table and the alerts. "
+                                               "Prints the path of report.html.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a gradmesh train run")
+
+
+def _existing_run_dir(text: str) -> Path:
+    if not Path(text).is_dir():
+        raise UsageError(f"run dir {text!r} does not exist; give the --run-dir of a gradmesh train run")
+    return Path(text)
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    from gradmesh.monitor.dashboard import serve
+
+    run_dir = _existing_run_dir(args.run_dir)
+    serve(run_dir, args.host, args.port,
+          on_ready=lambda url: print(f"gradmesh monitor: {run_dir} at {url} (Ctrl-C to stop)", flush=True))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from gradmesh.monitor.report import write_report
+
+    print(write_report(_existing_run_dir(args.run_dir)))
+    return 0

@@ -1,0 +1,104 @@
+"""What the commands share: the parser whose mistakes are one line, torchrun's launch options, the
+flag -> config-key table, config resolution and the argument types that name their bad value."""
+
+import argparse
+from pathlib import Path
+
+from gradmesh import config as configuration
+from gradmesh.errors import UsageError
+
+# Command-line flag -> config key. Flags left out stay None and do not override.
+FLAG_KEYS = {
+    "model": "model.name", "data": "data.path", "strategy": "train.strategy", "mesh": "train.mesh",
+    "pp_schedule": "train.pp_schedule", "microbatches": "train.microbatches", "pp_split": "train.pp_split",
+    "global_batch_size": "train.global_batch_size", "grad_accum": "train.grad_accum",
+    "optimizer": "train.optimizer", "lr": "train.lr", "max_steps": "train.max_steps",
+    "seed": "train.seed", "eval_every": "train.eval_every", "record_samples": "train.record_samples",
+    "checkpoint_every": "checkpoint.every", "resume": "checkpoint.resume",
+    "async_checkpoint": "checkpoint.async_save",
+    "recovery": "fault.recovery", "max_restarts": "fault.max_restarts", "step_timeout": "fault.step_timeout",
+    "inject": "fault.inject",
+    "monitor_enabled": "monitor.enabled", "check_every": "monitor.check_every", "trace_steps": "monitor.trace_steps",
+    "tensorboard": "monitor.tensorboard", "prometheus_port": "monitor.prometheus_port",
+    "run_dir": "run.dir", "quiet": "run.quiet",
+    "nproc": "launch.nproc", "nnodes": "launch.nnodes", "node_rank": "launch.node_rank",
+    "rdzv_endpoint": "launch.rdzv_endpoint", "rdzv_id": "launch.rdzv_id",
+    "rdzv_backend": "launch.rdzv_backend", "device": "launch.device",
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line and exit code 2."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def nproc_type(text: str) -> int:
+    """--nproc: a whole number >= 1, or 'auto' (0: one per GPU, decided at launch)."""
+    if text == "auto":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nproc must be a whole number >= 1 or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--nproc must be >= 1 (or 'auto'), got {value}")
+    return value
+
+
+def port_type(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--port must be a whole number from 1 to 65535, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be from 1 to 65535, got {value}")
+    return value
+
+
+def add_launch_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workers (torchrun's options)")
+    group.add_argument("--nproc", type=nproc_type, metavar="N", help="workers on this machine, or 'auto' (default: one per GPU, else 2)")
+    group.add_argument("--nnodes", type=int, metavar="N", help="machines in the job (default 1)")
+    group.add_argument("--node-rank", type=int, metavar="R", help="this machine's rank (static rendezvous)")
+    group.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous address for multi-node jobs")
+    group.add_argument("--rdzv-id", metavar="ID", help="job id shared by every node")
+    group.add_argument("--rdzv-backend", choices=("c10d", "static"), help="rendezvous backend")
+    group.add_argument("--device", choices=configuration.DEVICES, help="auto: CUDA+NCCL if present, else CPU+gloo")
+
+
+def flag_layer(args: argparse.Namespace) -> dict[str, dict]:
+    """The config layer of the flags given on the command line (FLAG_KEYS)."""
+    layer: dict[str, dict] = {}
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(args, flag, None)
+        if isinstance(value, list):
+            value = ";".join(value)
+        if value is not None:
+            section, name = key.split(".")
+            layer.setdefault(section, {})[name] = value
+    return layer
+
+
+def resolve_config(args: argparse.Namespace) -> configuration.Config:
+    layers = []
+    run_dir = Path(args.run_dir or configuration.RunConfig().dir)
+    saved = run_dir / "config.toml"
+    if args.resume and saved.is_file():
+        layers.append(configuration.load_toml(saved))  # continue the run as it was configured
+    if args.config:
+        layers.append(configuration.load_toml(args.config))
+    layers += [flag_layer(args), configuration.parse_sets(args.set)]
+    return configuration.build(layers)
+
+
+def launch_shape(launch: configuration.LaunchConfig) -> tuple[str, int]:
+    """(device, workers on this machine), with --nproc auto settled."""
+    from gradmesh.topology import auto_nproc, resolve_device
+
+    device = resolve_device(launch.device)
+    nproc = launch.nproc or auto_nproc(device)
+    if nproc < 1:
+        raise UsageError("--nproc auto found no GPU; give --nproc N or --device cpu")
+    return device, nproc

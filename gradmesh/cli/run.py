@@ -1,0 +1,26 @@
+"""`gradmesh run`: the user's own torch.distributed script on N workers, launched as torchrun would."""
+
+import argparse
+from pathlib import Path
+
+from gradmesh import config as configuration
+from gradmesh.cli.options import add_launch_options, flag_layer, launch_shape
+from gradmesh.errors import UsageError
+
+
+def add_parser(subparsers) -> None:
+    script = subparsers.add_parser("run", help="run your own torch.distributed script on N workers",
+                                   description="Run SCRIPT.py on N workers, as torchrun would (options before the script).")
+    add_launch_options(script)
+    script.add_argument("script", metavar="SCRIPT.py")
+    script.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if not Path(args.script).is_file():
+        raise UsageError(f"script {args.script!r} does not exist; usage: gradmesh run [options] SCRIPT.py [args]")
+    from gradmesh.launch import run_workers  # torch: only once the input is known to be good
+
+    launch = configuration.build([flag_layer(args)]).launch
+    _, nproc = launch_shape(launch)
+    return run_workers(launch, nproc, [args.script, *args.script_args])

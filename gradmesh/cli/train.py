@@ -1,0 +1,178 @@
+"""`gradmesh train`: its options, the checks that can fail before any worker starts
+(`check_train`), and the launch of the workers."""
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from gradmesh import config as configuration
+from gradmesh import rundir
+from gradmesh.cli.options import add_launch_options, launch_shape, resolve_config
+from gradmesh.errors import UsageError
+from gradmesh.mesh import DATA_AXES
+from gradmesh.parallel import registry
+from gradmesh.specs import check_ranks, parse_faults
+
+RESTART_CHECKPOINT_EVERY = 10
+INPLACE_COLLECTIVE_TIMEOUT = 10.0
+
+
+def add_parser(subparsers) -> None:
+    train = subparsers.add_parser("train", help="train a built-in model on N workers",
+                                  description="Train a built-in workload on N workers: data parallel, sharded, "
+                                              "tensor or pipeline parallel, or composed on a mesh.")
+    _add_what_options(train)
+    _add_how_options(train)
+    run = _add_run_options(train)
+    _add_failure_options(train)
+    _add_monitoring_options(train)
+    # Added after the monitoring options so that the usage line lists it where it always has.
+    run.add_argument("--quiet", action="store_true", default=None, help="no progress bar or summary table")
+    add_launch_options(train)
+
+
+def _add_what_options(train: argparse.ArgumentParser) -> None:
+    what = train.add_argument_group("what to train")
+    what.add_argument("--model", choices=configuration.MODELS, help="built-in model (default gpt-char)")
+    what.add_argument("--data", metavar="PATH", help="UTF-8 text file or folder for gpt-char (default: Python's stdlib source)")
+    what.add_argument("--config", metavar="FILE", help="TOML config file (sections model, data, train, checkpoint, launch, run)")
+    what.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key, e.g. model.n_layer=8 (repeatable)")
+
+
+def _add_how_options(train: argparse.ArgumentParser) -> None:
+    how = train.add_argument_group("how to train")
+    how.add_argument("--strategy", choices=tuple(registry.STRATEGIES), help="parallelism (default ddp)")
+    how.add_argument("--mesh", metavar="AXIS=N,...", help="compose strategies on a named mesh: dp=2,tp=2, fsdp=2,tp=2 or dp=2,pp=2")
+    how.add_argument("--pp-schedule", choices=configuration.PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
+    how.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per pipeline step (default 4)")
+    how.add_argument("--pp-split", metavar="UNIT,...", help="manual pipeline cut, e.g. h.2 (default: balanced by measured cost)")
+    how.add_argument("--global-batch-size", type=int, metavar="B", help="samples per optimizer step over all ranks (default 32)")
+    how.add_argument("--grad-accum", type=int, metavar="K", help="micro-batches per rank per step (default 1)")
+    how.add_argument("--optimizer", choices=configuration.OPTIMIZERS, help="default adamw")
+    how.add_argument("--lr", type=float, help="peak learning rate")
+    how.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps to run (default 600)")
+    how.add_argument("--seed", type=int)
+    how.add_argument("--eval-every", type=int, metavar="N", help="held-out evaluation every N steps (default: at the end)")
+
+
+def _add_run_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    run = train.add_argument_group("run directory")
+    run.add_argument("--run-dir", metavar="DIR", help="where config, metrics, checkpoints and weights go (default runs/latest)")
+    run.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps (default: at the end)")
+    run.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint in --run-dir")
+    run.add_argument("--async-checkpoint", action="store_true", default=None, help="write checkpoints in the background")
+    run.add_argument("--record-samples", action="store_true", default=None, help="log each rank's sample indices per step")
+    return run
+
+
+def _add_failure_options(train: argparse.ArgumentParser) -> None:
+    faults = train.add_argument_group("failures")
+    faults.add_argument("--recovery", choices=configuration.RECOVERY,
+                        help="restart: every worker restarts from the latest checkpoint; inplace: the survivors "
+                             "go on from the current step (ddp, one machine) (default none)")
+    faults.add_argument("--max-restarts", type=int, metavar="K", help="restart: worker-group restarts allowed; inplace: replacement workers started for lost ones (default 3)")
+    faults.add_argument("--step-timeout", type=float, metavar="SECONDS",
+                        help="declare a hang when a step makes no progress this long: stacks dumped, ranks named (default off)")
+    faults.add_argument("--inject", action="append", metavar="FAULT",
+                        help="inject a fault (repeatable): kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, "
+                             "slow:rank=R,factor=F|delay=S, diverge:rank=R,step=N")
+
+
+def _add_monitoring_options(train: argparse.ArgumentParser) -> None:
+    watch = train.add_argument_group("monitoring (see gradmesh monitor / gradmesh report)")
+    watch.add_argument("--no-monitor", dest="monitor_enabled", action="store_false", default=None,
+                       help="no per-rank step breakdown, straggler detection or replica checks")
+    watch.add_argument("--check-every", type=int, metavar="N",
+                       help="compare parameter checksums across data-parallel replicas every N steps (default 50; 0: never)")
+    watch.add_argument("--trace-steps", metavar="A:B", help="write trace.json (Chrome/Perfetto) of steps A..B on every rank")
+    watch.add_argument("--tensorboard", action="store_true", default=None, help="write TensorBoard event files to RUN_DIR/tensorboard")
+    watch.add_argument("--prometheus-port", type=int, metavar="P", help="serve Prometheus metrics on 127.0.0.1:P/metrics")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    _, nproc = launch_shape(cfg.launch)
+    run_dir = check_train(cfg, nproc)
+    return _launch(cfg, nproc, run_dir)
+
+
+def check_train(cfg: configuration.Config, nproc: int) -> Path:
+    """Every check that can fail before a worker starts, in the order a user meets them (a UsageError
+    names the first problem). Writes nothing but the run directory itself; returns it."""
+    from gradmesh import workloads
+
+    world = nproc * cfg.launch.nnodes
+    plan = _check_parallelism(cfg, nproc, world)
+    check_ranks(parse_faults(cfg.fault.inject), world)
+    _check_recovery(cfg, plan)
+    workloads.check_inputs(cfg)
+    run_dir = rundir.ensure_writable(cfg.run.dir)
+    if cfg.checkpoint.resume:
+        _check_resume(cfg, run_dir)
+    return run_dir
+
+
+def _check_parallelism(cfg: configuration.Config, nproc: int, world: int) -> registry.Plan:
+    """The strategy registry's checks; returns the plan (strategies on a named mesh) the workers build."""
+    from gradmesh import workloads
+
+    mesh = registry.mesh_for(cfg.train.strategy, world, cfg.train.mesh)
+    product = math.prod(mesh.values())
+    if product != world:
+        raise UsageError(f"--mesh {cfg.train.mesh!r} spans {product} ranks but the job has {world} "
+                         f"({nproc} per node x {cfg.launch.nnodes} nodes); make the product {world}")
+    cfg.check_world(math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
+    plan = registry.resolve(cfg.train.strategy, mesh)
+    plan.check(cfg, lambda: workloads.meta_model(cfg))
+    return plan
+
+
+def _check_recovery(cfg: configuration.Config, plan: registry.Plan) -> None:
+    if cfg.fault.recovery == "inplace" and (not plan.inplace_recovery or cfg.launch.nnodes > 1):
+        accepted = ", ".join(row.name for row in registry.ROWS if row.inplace_recovery)
+        raise UsageError(f"--recovery inplace supports --strategy {accepted} on one machine (a lost rank's shard of "
+                         "sharded, tensor- or pipeline-parallel state is gone); use --recovery restart")
+
+
+def _check_resume(cfg: configuration.Config, run_dir: Path) -> None:
+    from gradmesh import workloads
+    from gradmesh.fault import checkpoint
+    from gradmesh.worker import run_info
+
+    if not checkpoint.complete_checkpoints(run_dir):
+        raise UsageError(f"--resume: no complete checkpoint in {str(run_dir / 'checkpoints')!r}; run without --resume first")
+    latest = checkpoint.latest_good_checkpoint(run_dir, warn=lambda text: print(text, file=sys.stderr))
+    if latest is None:
+        raise UsageError(f"--resume: every checkpoint in {str(run_dir / 'checkpoints')!r} is damaged; start a fresh run")
+    problems = checkpoint.shape_mismatches(checkpoint.saved_shapes(latest), workloads.model_shapes(cfg))
+    if problems:
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        raise UsageError(f"--resume: {latest} does not fit this model: " + "; ".join(problems[:4]) + more)
+    saved = checkpoint.read_state(latest).get("run", {})
+    now = run_info(cfg)
+    diffs = [f"{key}: checkpoint {saved.get(key)!r} vs now {now[key]!r}"
+             for key in now if saved.get(key) != now[key]]
+    if diffs:
+        raise UsageError(f"--resume: config incompatible with {latest}: " + "; ".join(diffs))
+
+
+def _launch(cfg: configuration.Config, nproc: int, run_dir: Path) -> int:
+    """Settle what the checks left open, write config.toml and start the workers."""
+    from gradmesh.launch import run_workers
+
+    if cfg.fault.recovery == "restart" and not cfg.checkpoint.every:
+        cfg.checkpoint.every = RESTART_CHECKPOINT_EVERY  # a restart must have something recent to resume
+    if not cfg.checkpoint.resume:
+        _start_fresh(run_dir, cfg.run.quiet)
+    config_path = run_dir / "config.toml"
+    config_path.write_text(cfg.to_toml())
+    restarts = cfg.fault.max_restarts if cfg.fault.recovery != "none" else 0
+    return run_workers(cfg.launch, nproc, ["-m", "gradmesh.worker", str(config_path)], max_restarts=restarts,
+                       inplace=(cfg.fault.step_timeout or INPLACE_COLLECTIVE_TIMEOUT) if cfg.fault.recovery == "inplace" else 0.0)
+
+
+def _start_fresh(run_dir: Path, quiet: bool) -> None:
+    if rundir.clear_previous_run(run_dir) and not quiet:
+        print(f"gradmesh: starting a fresh run in {run_dir} (the previous run's files were replaced; "
+              "--resume continues a run instead)", file=sys.stderr)
