@@ -1,0 +1,16 @@
+"""Typed configuration: keyword-only dataclasses, TOML in, resolved TOML out.
+
+Precedence, lowest first: field defaults, `--config FILE` (or the run directory's saved
+config.toml when resuming), command-line flags, `--set section.key=value`. Every field is
+checked in `__post_init__` (`sections`); merging the layers is `layers`. All of it runs in the
+launcher, before any worker starts. Nothing here imports torch or code above the config layer.
+"""
+
+from gradmesh.config.layers import SECTIONS, all_keys, build, load_toml, parse_sets, section_fields
+from gradmesh.config.sections import (DEVICES, MODELS, OPTIMIZERS, PP_SCHEDULES, RECOVERY, CheckpointConfig, Config,
+                                      DataConfig, FaultConfig, LaunchConfig, ModelConfig, MonitorConfig, RunConfig,
+                                      TrainConfig)
+
+__all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "CheckpointConfig", "FaultConfig", "MonitorConfig",
+           "LaunchConfig", "RunConfig", "SECTIONS", "MODELS", "PP_SCHEDULES", "OPTIMIZERS", "DEVICES", "RECOVERY",
+           "all_keys", "build", "load_toml", "parse_sets", "section_fields"]

@@ -1,0 +1,178 @@
+"""The architecture's rules (issue 12), checked on the source: layers depend downwards only, files
+and functions stay small, strategies are known only to the registry, and the registry's and the
+reducer chain's logic holds."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradmesh.comm.reducer import CommCounter, Counted, Guarded, Reducer, Timed, build_reducer
+from gradmesh.errors import UsageError
+from gradmesh.loop.build import check_lockstep
+from gradmesh.loop.services import Service
+from gradmesh.mesh import MESH_AXES
+from gradmesh.parallel import registry
+
+PACKAGE = Path(__file__).resolve().parent.parent / "gradmesh"
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_files_and_functions_stay_small():
+    long_files = [f"{p.relative_to(PACKAGE)} ({n})" for p in SOURCES if (n := len(p.read_text().splitlines())) > 300]
+    long_functions = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 40:
+                long_functions.append(f"{path.relative_to(PACKAGE)}:{node.name}")
+    assert not long_files and not long_functions, (long_files, long_functions)
+
+
+@pytest.mark.parametrize("layer, forbidden", [
+    ("models", ("gradmesh",)),
+    ("config", ("gradmesh.fault", "gradmesh.parallel", "gradmesh.engine", "gradmesh.loop", "torch")),
+    ("parallel", ("gradmesh.cli", "gradmesh.loop", "gradmesh.engine", "gradmesh.worker")),
+    ("comm", ("gradmesh.parallel", "gradmesh.engine", "gradmesh.loop", "gradmesh.fault", "gradmesh.monitor")),
+    ("engine", ("gradmesh.loop", "gradmesh.cli", "gradmesh.fault")),
+    ("fault/checkpoint.py", ("gradmesh.parallel", "gradmesh.engine")),
+])
+def test_layers_only_import_downwards(layer, forbidden):
+    paths = [PACKAGE / layer] if layer.endswith(".py") else sorted((PACKAGE / layer).rglob("*.py"))
+    bad = [(p.name, name) for p in paths for name in imports_of(p)
+           if any(name == f or name.startswith(f + ".") for f in forbidden)]
+    assert not bad
+
+
+def test_environment_is_read_in_one_module():
+    readers = [p.relative_to(PACKAGE) for p in SOURCES if "os.environ" in p.read_text() or "getenv" in p.read_text()]
+    assert [str(p) for p in readers] == ["env.py"]
+
+
+def test_only_the_registry_knows_strategy_names():
+    """No `== "ddp"`-style branches outside the registry (the names are its keys). "fsdp" is also
+    a mesh axis's name, which topology code compares freely."""
+    names = [row.name for row in registry.ROWS if row.name not in MESH_AXES]
+    hits = []
+    for path in SOURCES:
+        if path.name == "registry.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                constants = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
+                hits += [f"{path.name}:{node.lineno}" for value in constants if value in names]
+    assert not hits
+
+
+def test_cli_reads_the_registry_without_importing_torch():
+    code = ("import sys\nfrom gradmesh.parallel import registry\nfrom gradmesh.cli import build_parser\n"
+            "build_parser()\nprint('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_every_registry_row_resolves_to_real_functions():
+    for row in registry.ROWS:
+        for ref in (row.apply, row.sync, row.optimizer, row.optimizer_state, row.load_optimizer_state):
+            assert callable(registry.load(ref)), (row.name, ref)
+    from gradmesh.engine import ENGINES
+
+    assert {row.engine for row in registry.ROWS} <= set(ENGINES)
+
+
+@pytest.mark.parametrize("name, mesh, label, order, engine", [
+    ("ddp", {"dp": 4}, "ddp", ["ddp"], "collective"),
+    ("zero1", {"dp": 2}, "zero1", ["zero1"], "collective"),
+    ("ddp", {"dp": 2, "tp": 2}, "dp=2,tp=2", ["tp", "ddp"], "collective"),
+    ("ddp", {"fsdp": 2, "tp": 2}, "fsdp=2,tp=2", ["tp", "fsdp"], "collective"),
+    ("ddp", {"dp": 2, "pp": 2}, "dp=2,pp=2", ["pipeline", "ddp"], "pipeline"),
+    ("pipeline", {"pp": 2}, "pipeline", ["pipeline"], "pipeline"),
+])
+def test_meshes_resolve_in_the_fixed_composition_order(name, mesh, label, order, engine):
+    plan = registry.resolve(name, mesh)
+    assert (plan.label, [row.name for row in plan.rows], plan.engine) == (label, order, engine)
+
+
+def test_plan_properties_follow_its_rows():
+    assert registry.resolve("ddp", {"dp": 2}).inplace_recovery
+    assert not registry.resolve("zero1", {"dp": 2}).inplace_recovery
+    assert not registry.resolve("ddp", {"dp": 2, "tp": 2}).replicated
+    assert not registry.resolve("pipeline", {"pp": 2}).same_work
+    with pytest.raises(UsageError, match="not one of ddp, zero1"):
+        registry.get("horovod")
+
+
+def test_state_formulas_are_the_zero_papers():
+    """fp32 AdamW (K = 2 slots): ddp 16P, zero1 8P + 8P/N, fsdp 16P/N (Rajbhandari et al., 2020)."""
+    size, n = registry.ModelSize(params=1000), 4
+    formulas = {row.name: row.state_bytes(size, n) for row in registry.ROWS}
+    assert formulas["ddp"] == 16_000 and formulas["zero1"] == 8000 + 2000 and formulas["fsdp"] == 4000
+    tp = registry.STRATEGIES["tp"].state_bytes(registry.ModelSize(params=1000, tp_params=800), n)
+    assert tp == 16 * (200 + 800 / n)
+
+
+class _Recorded(Reducer):
+    name = "fake"
+
+    def reduce(self, tensor, group):
+        future = torch.futures.Future()
+        future.set_result(tensor * 2)
+        return future
+
+
+class _Clock:
+    def __init__(self):
+        self.issued, self.completed = [], 0
+
+    def collective(self, name):
+        self.issued.append(name)
+        return self._done
+
+    def _done(self):
+        self.completed += 1
+
+
+def test_the_reducer_chain_counts_times_and_passes_the_result_through():
+    counter, clock = CommCounter(), _Clock()
+    reducer = build_reducer(counter, clock, None, base=_Recorded())
+    out = reducer.average(torch.ones(10), group=None)
+    assert torch.equal(out, torch.full((10,), 2.0))
+    assert counter.take() == (40, 1) and counter.take() == (0, 0)
+    assert clock.issued == ["fake"] and clock.completed == 1
+    assert isinstance(reducer, Guarded) and isinstance(reducer.inner, Timed) and isinstance(reducer.inner.inner, Counted)
+
+
+def test_the_guard_fails_the_result_when_a_member_is_lost():
+    from gradmesh.fault.inplace import MembersLost
+
+    class Lost:
+        def guard(self, future):
+            failed = torch.futures.Future()
+            failed.set_exception(MembersLost("a member left"))
+            return failed
+
+    reducer = build_reducer(CommCounter(), None, Lost(), base=_Recorded())
+    with pytest.raises(MembersLost):
+        reducer.average(torch.ones(3), group=None)
+
+
+def test_an_engine_out_of_lockstep_refuses_services_that_need_lockstep():
+    class Gather(Service):
+        lockstep = True
+
+    check_lockstep([Service()], "ps")
+    with pytest.raises(UsageError, match="Gather"):
+        check_lockstep([Service(), Gather()], "ps")
