@@ -7,7 +7,7 @@ two GPUs and is skipped on one)."""
 import pytest
 import torch
 
-from helpers import rel_l2, train, weights
+from helpers import references, rel_l2, train, weights
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")]
@@ -21,12 +21,7 @@ def gpus() -> int:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    runs = {}
-    for optimizer in ("adamw", "sgd"):
-        run_dir = tmp_path_factory.mktemp(f"gpu-ref-{optimizer}")
-        train(run_dir, 1, *STEPS, "--optimizer", optimizer)
-        runs[optimizer] = weights(run_dir)
-    return runs
+    return references(tmp_path_factory, "gpu-ref", *STEPS)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
