@@ -1,0 +1,33 @@
+"""The test harness's run catalogue: which argument lists name the same run (pure logic)."""
+
+from catalogue import normalise
+
+
+def test_flag_and_set_order_do_not_matter():
+    a = ("--max-steps", "20", "--set", "train.lr=0.01", "--record-samples", "--set", "model.n_head=4")
+    b = ("--set", "model.n_head=4", "--record-samples", "--set", "train.lr=0.01", "--max-steps", "20")
+    assert normalise(2, a) == normalise(2, b)
+
+
+def test_different_values_world_sizes_or_models_are_different_runs():
+    base = ("--max-steps", "20", "--optimizer", "sgd")
+    assert normalise(2, base) != normalise(4, base)
+    assert normalise(2, base) != normalise(2, ("--max-steps", "20", "--optimizer", "adamw"))
+    assert normalise(2, base) != normalise(2, base + ("--record-samples",))
+    assert normalise(2, base, tiny=True) != normalise(2, base, tiny=False)
+
+
+def test_a_later_value_wins_as_in_gradmesh():
+    """TINY sets model.n_layer=2; a test's own --set overrides it, as gradmesh's parser does."""
+    assert normalise(1, ("--set", "model.n_layer=4")) != normalise(1, ())
+    assert normalise(1, ("--strategy", "ddp", "--strategy", "tp")) == normalise(1, ("--strategy", "tp"))
+    assert normalise(1, ("--set", "a.b=1", "--set", "a.b=2")) != normalise(1, ("--set", "a.b=2", "--set", "a.b=1"))
+
+
+def test_injections_accumulate_in_any_order():
+    one, two = ("--inject", "kill:rank=1,step=7"), ("--inject", "kill:rank=0,step=13")
+    assert normalise(2, one + two) == normalise(2, two + one) != normalise(2, one)
+
+
+def test_an_empty_value_is_a_value():
+    assert normalise(2, ("--mesh", "", "--max-steps", "3")) != normalise(2, ("--mesh", "--max-steps", "3"))
