@@ -73,7 +73,7 @@ def test_a_diverged_replica_is_reported_with_the_first_differing_tensor(tmp_path
 
 
 def test_pipeline_send_recv_is_timed_as_communication(catalogue):
-    run = wide_run(catalogue, 2, "adamw", "--strategy", "pipeline", "--pp-schedule", "1f1b")  # test_pipeline's
+    run = wide_run(catalogue, 2, "sgd", "--strategy", "pipeline", "--pp-schedule", "1f1b")  # test_pipeline's
     rows = metrics(run)
     # Each stage sends each sample's activations (forward) or their gradient (backward) once per
     # step: rows x block_size x n_embd float32 values (TINY: 16 x 32 x 32 x 4 bytes).

@@ -52,6 +52,7 @@ def test_sharded_strategies_match_single_process(reference, catalogue, strategy,
     assert rel_l2(weights(sharded_run(catalogue, nproc, optimizer, strategy)), reference[optimizer]) <= TOLERANCE
 
 
+@pytest.mark.slow  # accumulation (ddp) and fsdp each keep a fast-tier parity test
 def test_fsdp_gradient_accumulation_matches_single_process(reference, tmp_path):
     train(tmp_path, 2, *STEPS, "--optimizer", "sgd", "--strategy", "fsdp", "--grad-accum", "2")
     assert rel_l2(weights(tmp_path), reference["sgd"]) <= TOLERANCE
