@@ -58,8 +58,9 @@ def _fingerprint(run_dir: Path) -> dict[str, tuple[int, int]]:
 class Catalogue:
     """`run(nproc, *args, tiny=True)` -> the directory of a finished run, trained at most once."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, trainer=train):
         self.root = Path(root)
+        self._train = trainer  # helpers.train: the real CLI in a subprocess
         self._runs: dict[tuple, Path] = {}
         self._fingerprints: dict[Path, dict] = {}
 
@@ -67,7 +68,7 @@ class Catalogue:
         key = normalise(nproc, args, tiny)
         if key not in self._runs:
             run_dir = self.root / f"run-{len(self._runs):02d}-n{nproc}"
-            train(run_dir, nproc, *args, tiny=tiny)
+            self._train(run_dir, nproc, *args, tiny=tiny)
             self._runs[key] = run_dir
             self._fingerprints[run_dir] = _fingerprint(run_dir)
         return self._runs[key]

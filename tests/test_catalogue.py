@@ -1,6 +1,7 @@
-"""The test harness's run catalogue: which argument lists name the same run (pure logic)."""
+"""The test harness's run catalogue: which argument lists name the same run, that each is
+trained once, and that a test writing into a shared run is noticed (no real training here)."""
 
-from catalogue import normalise
+from catalogue import Catalogue, copy_run, normalise
 
 
 def test_flag_and_set_order_do_not_matter():
@@ -31,3 +32,31 @@ def test_injections_accumulate_in_any_order():
 
 def test_an_empty_value_is_a_value():
     assert normalise(2, ("--mesh", "", "--max-steps", "3")) != normalise(2, ("--mesh", "--max-steps", "3"))
+
+
+def fake_catalogue(tmp_path, calls):
+    def trainer(run_dir, nproc, *args, tiny=True):
+        calls.append((nproc, args))
+        run_dir.mkdir(parents=True)
+        (run_dir / "model.safetensors").write_text(repr((nproc, args)))
+
+    return Catalogue(tmp_path / "catalogue", trainer=trainer)
+
+
+def test_each_run_is_trained_once_whatever_the_order_of_its_arguments(tmp_path):
+    calls = []
+    catalogue = fake_catalogue(tmp_path, calls)
+    first = catalogue.run(2, "--max-steps", "20", "--record-samples")
+    assert catalogue.run(2, "--record-samples", "--max-steps", "20") == first
+    assert catalogue.run(1, "--max-steps", "20", "--record-samples") != first
+    assert len(calls) == len(catalogue) == 2
+
+
+def test_writing_into_a_catalogued_run_is_noticed_and_a_copy_is_not(tmp_path):
+    catalogue = fake_catalogue(tmp_path, [])
+    run = catalogue.run(2, "--max-steps", "20")
+    (copy_run(run, tmp_path / "copy") / "model.safetensors").write_text("resumed")
+    assert catalogue.changed() == []
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "extra").write_text("")
+    assert catalogue.changed() == [run]
