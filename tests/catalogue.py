@@ -62,13 +62,20 @@ class Catalogue:
         self.root = Path(root)
         self._train = trainer  # helpers.train: the real CLI in a subprocess
         self._runs: dict[tuple, Path] = {}
+        self._failed: dict[tuple, Exception] = {}
         self._fingerprints: dict[Path, dict] = {}
 
     def run(self, nproc: int, *args: str, tiny: bool = True) -> Path:
         key = normalise(nproc, args, tiny)
+        if key in self._failed:  # every test that needs a broken run fails at once, not after retraining it
+            raise AssertionError(f"this catalogued run failed earlier in the session:\n{self._failed[key]}")
         if key not in self._runs:
-            run_dir = self.root / f"run-{len(self._runs):02d}-n{nproc}"
-            self._train(run_dir, nproc, *args, tiny=tiny)
+            run_dir = self.root / f"run-{len(self._runs) + len(self._failed):02d}-n{nproc}"
+            try:
+                self._train(run_dir, nproc, *args, tiny=tiny)
+            except Exception as exc:
+                self._failed[key] = exc
+                raise
             self._runs[key] = run_dir
             self._fingerprints[run_dir] = _fingerprint(run_dir)
         return self._runs[key]

@@ -1,6 +1,8 @@
 """The test harness's run catalogue: which argument lists name the same run, that each is
 trained once, and that a test writing into a shared run is noticed (no real training here)."""
 
+import pytest
+
 from catalogue import Catalogue, copy_run, normalise
 
 
@@ -37,6 +39,7 @@ def test_an_empty_value_is_a_value():
 def fake_catalogue(tmp_path, calls):
     def trainer(run_dir, nproc, *args, tiny=True):
         calls.append((nproc, args))
+        assert "--broken" not in args, "gradmesh train failed"
         run_dir.mkdir(parents=True)
         (run_dir / "model.safetensors").write_text(repr((nproc, args)))
 
@@ -60,3 +63,12 @@ def test_writing_into_a_catalogued_run_is_noticed_and_a_copy_is_not(tmp_path):
     (run / "checkpoints").mkdir()
     (run / "checkpoints" / "extra").write_text("")
     assert catalogue.changed() == [run]
+
+
+def test_a_failed_run_is_not_retrained_for_every_test_that_needs_it(tmp_path):
+    calls = []
+    catalogue = fake_catalogue(tmp_path, calls)
+    for _ in range(2):
+        with pytest.raises(AssertionError, match="gradmesh train failed"):
+            catalogue.run(2, "--broken")
+    assert len(calls) == 1
