@@ -8,6 +8,7 @@ same normalised arguments — one run — serve parity, resume, fault, monitorin
 from pathlib import Path
 
 from catalogue import Catalogue
+from helpers import weights
 
 # Contract 2's yardstick: 20 optimizer steps of 16 samples.
 STEPS = ("--max-steps", "20", "--global-batch-size", "16")
@@ -48,3 +49,16 @@ def half_run(catalogue: Catalogue, nproc: int, strategy: str = "ddp") -> Path:
 
 def digits_run(catalogue: Catalogue, nproc: int, *extra: str) -> Path:
     return catalogue.run(nproc, *DIGITS, *extra, tiny=False)
+
+
+class References(dict):
+    """optimizer -> final weights of a single-process reference run, trained on first use (a
+    fast-tier selection that needs only the sgd reference does not train the adamw one)."""
+
+    def __init__(self, reference_run):
+        super().__init__()
+        self._reference_run = reference_run
+
+    def __missing__(self, optimizer: str):
+        self[optimizer] = weights(self._reference_run(optimizer))
+        return self[optimizer]

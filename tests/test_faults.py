@@ -107,7 +107,7 @@ def assert_same_training(run_dir, reference):
 INPLACE = ["--recovery", "inplace", "--max-restarts", "0"]  # no replacement workers unless a test asks
 
 
-@pytest.mark.parametrize("rank", [1, 0])
+@pytest.mark.parametrize("rank", [1, pytest.param(0, marks=pytest.mark.slow)])  # the same contract at rank 0
 def test_inplace_recovery_survives_a_kill_at_a_seeded_random_step(fault_free, tmp_path, rank):
     step = random.Random(rank).randint(2, 19)
     result = train(tmp_path, 2, *ARGS, *INPLACE, "--inject", f"kill:rank={rank},step={step}")

@@ -8,7 +8,7 @@ bound separates summation-order noise from real mistakes.
 import pytest
 
 from helpers import rel_l2, train, weights
-from runs import STEPS, ddp_run, digits_run, sharded_run
+from runs import References, STEPS, ddp_run, digits_run, sharded_run
 
 TOLERANCE = 1e-5
 SLOW = pytest.mark.slow  # 4 ranks: the same contract as the 2-rank case, twice the processes
@@ -17,7 +17,7 @@ SLOW = pytest.mark.slow  # 4 ranks: the same contract as the 2-rank case, twice 
 @pytest.fixture(scope="module")
 def reference(catalogue):
     """Single-process runs, one per optimizer: the yardstick (shared through the catalogue)."""
-    return {optimizer: weights(ddp_run(catalogue, 1, optimizer)) for optimizer in ("adamw", "sgd")}
+    return References(lambda optimizer: ddp_run(catalogue, 1, optimizer))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
