@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from catalogue import Catalogue  # noqa: E402
 from helpers import TINY, free_port  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
@@ -26,18 +27,23 @@ def _install_chromium(log: list[str]) -> None:
             return
 
 
-# Started at collection, in the background: the install overlaps the tests that run before the
-# browser test instead of adding its minutes to the suite.
 _chromium_log: list[str] = []
 _chromium_install = None
-if not Path(CHROMIUM).exists() and shutil.which("apt-get"):
-    _chromium_install = threading.Thread(target=_install_chromium, args=(_chromium_log,), daemon=True)
-    _chromium_install.start()
 
 
 def pytest_collection_modifyitems(items):
     """The browser test runs last, so chromium's install overlaps the rest of the suite."""
     items.sort(key=lambda item: "chromium" in getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_finish(session):
+    """Start chromium's install (in the background, overlapping the tests before it) only when
+    a selected test needs it: `-m "not browser"` or one test file installs nothing."""
+    global _chromium_install
+    wanted = any("chromium" in getattr(item, "fixturenames", ()) for item in session.items)
+    if wanted and not Path(CHROMIUM).exists() and shutil.which("apt-get"):
+        _chromium_install = threading.Thread(target=_install_chromium, args=(_chromium_log,), daemon=True)
+        _chromium_install.start()
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +53,46 @@ def chromium() -> str:
     if not Path(CHROMIUM).exists():
         pytest.fail(f"the dashboard test needs {CHROMIUM}; installing it failed:\n" + "\n".join(_chromium_log))
     return CHROMIUM
+
+
+@pytest.fixture(scope="session")
+def catalogue(tmp_path_factory) -> Catalogue:
+    """Finished training runs shared by every test that only reads them (see catalogue.py)."""
+    return Catalogue(tmp_path_factory.mktemp("catalogue"))
+
+
+@pytest.fixture(autouse=True)
+def _catalogued_runs_stay_read_only(request):
+    """A test that wrote into a shared run would change what later tests read: fail it here."""
+    yield
+    if "catalogue" in request.fixturenames:
+        changed = request.getfixturevalue("catalogue").changed()
+        assert not changed, f"{request.node.nodeid} modified catalogued runs {changed}; copy_run() them first"
+
+
+class _NoWorkers:
+    """Stands in for subprocess.Popen while the CLI runs in-process: bad input must be refused
+    before any worker (or agent subprocess) starts, so starting one fails the test."""
+
+    def __init__(self, args, *rest, **kwargs):
+        raise AssertionError(f"a process was started before the input was refused: {args}")
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`gradmesh.cli.main(argv)` in this process; returns (returncode, stdout, stderr) like
+    subprocess.run, without a Python start-up and torch import per call."""
+    import gradmesh.cli
+
+    def call(*argv: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        with monkeypatch.context() as patch:
+            patch.setattr(subprocess, "Popen", _NoWorkers)
+            code = gradmesh.cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(argv), code, out, err)
+
+    return call
 
 
 STRAGGLER = ["--max-steps", "30", "--global-batch-size", "16", "--set", "train.log_every=2",

@@ -52,16 +52,6 @@ def summary(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
-def references(tmp_path_factory, name: str, *args: str) -> dict[str, dict[str, torch.Tensor]]:
-    """Single-process runs, one per optimizer: the yardstick for parity tests."""
-    runs = {}
-    for optimizer in ("adamw", "sgd"):
-        run_dir = tmp_path_factory.mktemp(f"{name}-{optimizer}")
-        train(run_dir, 1, *args, "--optimizer", optimizer)
-        runs[optimizer] = weights(run_dir)
-    return runs
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -1,8 +1,14 @@
-"""Bad input: one line naming the problem, exit code 2, no traceback, before any worker starts."""
+"""Bad input: one line naming the problem, exit code 2, no traceback, before any worker starts.
+
+The cases call `gradmesh.cli.main` in-process (the `cli` fixture fails a test whose input
+starts a process before it is refused); a few go through the real `python -m gradmesh` so the
+entry point itself stays covered."""
 
 import pytest
 
-from helpers import TINY, gradmesh, train
+from catalogue import copy_run
+from helpers import gradmesh
+from runs import half_run
 
 
 def assert_usage_error(result, *words):
@@ -43,25 +49,36 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_bad_input_is_one_clear_line_with_exit_code_2(name, files):
+def train_args(name, files):
     args, words = CASES[name]
     args = [a.replace("{tmp}", str(files)) for a in args]
     if "--run-dir" not in args:
         args += ["--run-dir", str(files / "run")]
-    assert_usage_error(gradmesh("train", *args, timeout=60), *words)
+    return ["train", *args], words
 
 
-def test_resume_into_a_model_of_another_shape_names_the_tensors(tmp_path):
-    train(tmp_path, 1, "--max-steps", "2")
-    result = gradmesh("train", "--run-dir", str(tmp_path), "--resume", "--set", "model.n_embd=64", timeout=60)
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_is_one_clear_line_with_exit_code_2(name, files, cli):
+    args, words = train_args(name, files)
+    assert_usage_error(cli(*args), *words)
+
+
+def test_bad_input_through_the_real_entry_point(files):
+    """`python -m gradmesh`: the exit code and the one line reach the shell."""
+    args, words = train_args("unknown --set key", files)
+    assert_usage_error(gradmesh(*args, timeout=60), *words)
+
+
+def test_resume_into_a_model_of_another_shape_names_the_tensors(catalogue, cli, tmp_path):
+    run = copy_run(half_run(catalogue, 1), tmp_path / "run")  # TINY: n_embd=32, global batch 16
+    result = cli("train", "--run-dir", str(run), "--resume", "--set", "model.n_embd=64")
     assert_usage_error(result, "does not fit", "wte.weight [94, 32] in checkpoint vs [94, 64] now")
-    result = gradmesh("train", "--run-dir", str(tmp_path), "--resume", "--global-batch-size", "12", timeout=60)
+    result = cli("train", "--run-dir", str(run), "--resume", "--global-batch-size", "12")
     assert_usage_error(result, "incompatible", "global_batch_size")
 
 
-def test_run_with_a_missing_script(tmp_path):
-    assert_usage_error(gradmesh("run", str(tmp_path / "nope.py"), timeout=60), "nope.py", "does not exist")
+def test_run_with_a_missing_script(tmp_path, cli):
+    assert_usage_error(cli("run", str(tmp_path / "nope.py")), "nope.py", "does not exist")
 
 
 def test_help_reads_well():

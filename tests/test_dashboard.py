@@ -88,9 +88,9 @@ def test_report_writes_html_and_four_plots(straggler_run):
     assert html.escape(straggler_alert(straggler_run)) in text and "ddp" in text and "imbalance" in text
 
 
-def test_report_of_a_dir_without_metrics_is_a_usage_error(tmp_path):
-    assert_one_line_error(gradmesh("report", str(tmp_path), timeout=60), "no metrics.jsonl", "gradmesh run dir")
-    assert_one_line_error(gradmesh("report", str(tmp_path / "nope"), timeout=60), "nope", "does not exist")
+def test_report_of_a_dir_without_metrics_is_a_usage_error(cli, tmp_path):
+    assert_one_line_error(cli("report", str(tmp_path)), "no metrics.jsonl", "gradmesh run dir")
+    assert_one_line_error(cli("report", str(tmp_path / "nope")), "nope", "does not exist")
 
 
 def test_report_without_breakdown_says_so(run_dir):
@@ -128,10 +128,10 @@ def test_api_tolerates_a_half_written_line_and_a_rewrite(tmp_path):
     assert answer["generation"] > generation and [r["epoch"] for r in answer["rows"]] == [0, 0, 9]
 
 
-def test_monitor_usage_errors(tmp_path):
-    assert_one_line_error(gradmesh("monitor", str(tmp_path / "nope"), timeout=60), "nope", "does not exist")
-    assert_one_line_error(gradmesh("monitor", str(tmp_path), "--port", "0", timeout=60), "--port", "65535")
-    assert_one_line_error(gradmesh("monitor", str(tmp_path), "--port", "70000", timeout=60), "--port", "70000")
+def test_monitor_usage_errors(cli, tmp_path):
+    assert_one_line_error(cli("monitor", str(tmp_path / "nope")), "nope", "does not exist")
+    assert_one_line_error(cli("monitor", str(tmp_path), "--port", "0"), "--port", "65535")
+    assert_one_line_error(cli("monitor", str(tmp_path), "--port", "70000"), "--port", "70000")
 
 
 # --- the dashboard, served by the real CLI -----------------------------------------------------
@@ -249,6 +249,7 @@ class Elements(HTMLParser):
                 self.alerts[alert] += data + " "
 
 
+@pytest.mark.browser
 def test_dashboard_draws_a_finished_run_in_a_browser(server, straggler_run, chromium, tmp_path):
     result = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=8000",
                              f"--user-data-dir={tmp_path / 'chromium'}", "--dump-dom", server],

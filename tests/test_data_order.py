@@ -4,9 +4,7 @@ and every sample of an epoch is used exactly once — read from the per-rank sam
 import json
 from collections import Counter
 
-from helpers import train
-
-DIGITS = ["--model", "mlp-digits", "--global-batch-size", "96", "--max-steps", "16", "--record-samples"]
+from runs import digits_run
 
 
 def consumed(run_dir, nproc):
@@ -19,10 +17,10 @@ def consumed(run_dir, nproc):
     return steps
 
 
-def test_global_batches_match_across_world_sizes_and_epoch_is_covered_once(tmp_path):
-    train(tmp_path / "one", 1, *DIGITS, tiny=False)
-    train(tmp_path / "four", 4, *DIGITS, "--grad-accum", "2", tiny=False)
-    one, four = consumed(tmp_path / "one", 1), consumed(tmp_path / "four", 4)
+def test_global_batches_match_across_world_sizes_and_epoch_is_covered_once(catalogue):
+    # The same runs as test_parity's short-last-batch test (the catalogue trains them once).
+    one = consumed(digits_run(catalogue, 1), 1)
+    four = consumed(digits_run(catalogue, 4, "--grad-accum", "2"), 4)
     assert one == four
     # 1437 training digits at 96 per step: steps 1-15 are epoch 0, the 15th holds 93 samples.
     epoch0 = Counter(i for step in range(1, 16) for i in one[step])

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from helpers import gradmesh, rel_l2, train, weights
+from helpers import rel_l2, train, weights
+from runs import ddp_run
 
 TOLERANCE = 1e-5
 ARGS = ["--max-steps", "20", "--global-batch-size", "16", "--checkpoint-every", "5", "--record-samples"]
@@ -24,10 +25,10 @@ def fired(run_dir):
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("fault-free")
-    train(run_dir, 2, *ARGS)
-    return run_dir
+def fault_free(catalogue):
+    """The 2-rank adamw run of ARGS (plus replica checks, which change nothing trained): the
+    catalogue's, shared with the parity, resume and monitoring tests."""
+    return ddp_run(catalogue, 2, "adamw")
 
 
 def assert_same_as(run_dir, reference):
@@ -46,12 +47,14 @@ def test_kill_at_a_seeded_random_step_is_survived_by_restart(fault_free, tmp_pat
     assert_same_as(tmp_path, fault_free)
 
 
+@pytest.mark.slow  # restart recovery: the kill at a random step stays in the fast tier
 def test_kill_during_a_checkpoint_write_resumes_from_the_one_before(fault_free, tmp_path):
     train(tmp_path, 2, *ARGS, *RESTART, "--inject", "kill:rank=0,step=10,at=checkpoint")
     assert fired(tmp_path)[0]["fault"] == "kill:rank=0,step=10,at=checkpoint"
     assert_same_as(tmp_path, fault_free)
 
 
+@pytest.mark.slow  # two restarts; one kill with restart recovery stays in the fast tier
 def test_two_failures_one_of_them_rank_0(fault_free, tmp_path):
     train(tmp_path, 2, *ARGS, *RESTART, "--inject", "kill:rank=1,step=7", "--inject", "kill:rank=0,step=13")
     assert [f["fault"] for f in fired(tmp_path)] == ["kill:rank=1,step=7", "kill:rank=0,step=13"]
@@ -72,6 +75,7 @@ def test_a_hang_is_detected_and_the_hung_rank_named(tmp_path):
     assert "before_step" in (tmp_path / "stacks-rank1.txt").read_text()
 
 
+@pytest.mark.slow  # a hang (detected, fast tier) then a restart (fast tier)
 def test_a_hang_under_restart_recovery_is_survived(fault_free, tmp_path):
     train(tmp_path, 2, *ARGS, *RESTART, "--step-timeout", "3", "--inject", "hang:rank=0,step=8")
     assert [f.get("event", "fault") for f in fired(tmp_path)][:2] == ["fault", "hang"]
@@ -103,7 +107,7 @@ def assert_same_training(run_dir, reference):
 INPLACE = ["--recovery", "inplace", "--max-restarts", "0"]  # no replacement workers unless a test asks
 
 
-@pytest.mark.parametrize("rank", [1, 0])
+@pytest.mark.parametrize("rank", [1, pytest.param(0, marks=pytest.mark.slow)])  # the same contract at rank 0
 def test_inplace_recovery_survives_a_kill_at_a_seeded_random_step(fault_free, tmp_path, rank):
     step = random.Random(rank).randint(2, 19)
     result = train(tmp_path, 2, *ARGS, *INPLACE, "--inject", f"kill:rank={rank},step={step}")
@@ -111,17 +115,20 @@ def test_inplace_recovery_survives_a_kill_at_a_seeded_random_step(fault_free, tm
     assert_same_training(tmp_path, fault_free)
 
 
+@pytest.mark.slow  # 4 ranks; the 2-rank in-place kills stay in the fast tier
 def test_inplace_recovery_survives_two_failures_at_four_ranks(fault_free, tmp_path):
     train(tmp_path, 4, *ARGS, *INPLACE, "--inject", "kill:rank=1,step=5", "--inject", "kill:rank=2,step=12")
     assert_same_training(tmp_path, fault_free)
 
 
+@pytest.mark.slow  # a hang (detected, fast tier) then in-place recovery (fast tier)
 def test_inplace_recovery_survives_a_hang(fault_free, tmp_path):
     result = train(tmp_path, 2, *ARGS, *INPLACE, "--step-timeout", "3", "--inject", "hang:rank=1,step=6")
     assert "did not arrive: rank 1" in result.stderr
     assert_same_training(tmp_path, fault_free)
 
 
+@pytest.mark.slow  # long: rank 0 slowed 0.7 s a step so the replacement joins mid-run
 def test_a_replacement_joins_and_gets_the_state_from_a_live_peer(fault_free, tmp_path):
     # Rank 0 is slowed so the replacement (a new process: imports, model) joins mid-run; no
     # checkpoint is written before the end, so its state can only come from its live peer.
@@ -141,8 +148,8 @@ def test_a_replacement_too_late_to_join_leaves_without_failing_the_run(fault_fre
     assert_same_training(tmp_path, fault_free)
 
 
-def test_inplace_recovery_is_refused_where_state_is_sharded(tmp_path):
-    result = gradmesh("train", "--nproc", "2", "--run-dir", str(tmp_path), "--strategy", "fsdp", *INPLACE, timeout=60)
+def test_inplace_recovery_is_refused_where_state_is_sharded(cli, tmp_path):
+    result = cli("train", "--nproc", "2", "--run-dir", str(tmp_path), "--strategy", "fsdp", *INPLACE)
     assert result.returncode == 2 and "supports --strategy ddp" in result.stderr
 
 
@@ -151,7 +158,7 @@ def test_inplace_recovery_is_refused_where_state_is_sharded(tmp_path):
     ("explode:rank=0,step=2", ["expected kill:rank=R,step=N"]),
     ("kill:rank=5,step=2", ["rank 5 does not exist", "0..1"]),
 ])
-def test_bad_injections_are_refused_before_launch(tmp_path, spec, words):
-    result = gradmesh("train", "--nproc", "2", "--run-dir", str(tmp_path), "--inject", spec, timeout=60)
+def test_bad_injections_are_refused_before_launch(cli, tmp_path, spec, words):
+    result = cli("train", "--nproc", "2", "--run-dir", str(tmp_path), "--inject", spec)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert all(w in result.stderr for w in words), result.stderr

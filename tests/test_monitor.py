@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from helpers import gradmesh, metrics, train, weights
-
+from helpers import metrics, train, weights
+from runs import ddp_run, wide_run
 
 
 def per_rank_steps(run_dir, rank):
@@ -54,10 +54,10 @@ def test_the_straggler_is_named_with_its_phase(straggler_run):
     assert statistics.median(row["imbalance"] for row in metrics(run_dir)[5:]) > 0.25
 
 
-def test_balanced_ranks_raise_no_alert_and_score_low(tmp_path):
-    train(tmp_path, 2, "--max-steps", "20", "--global-batch-size", "16", "--check-every", "5")
-    assert (tmp_path / "alerts.jsonl").read_text() == ""
-    assert statistics.median(row["imbalance"] for row in metrics(tmp_path)[5:]) < 0.2
+def test_balanced_ranks_raise_no_alert_and_score_low(catalogue):
+    run = ddp_run(catalogue, 2, "adamw")  # 20 steps, replicas compared every 5 (the parity run)
+    assert (run / "alerts.jsonl").read_text() == ""
+    assert statistics.median(row["imbalance"] for row in metrics(run)[5:]) < 0.2
 
 
 def test_a_diverged_replica_is_reported_with_the_first_differing_tensor(tmp_path):
@@ -72,15 +72,15 @@ def test_a_diverged_replica_is_reported_with_the_first_differing_tensor(tmp_path
     assert alerts[0]["tensor"] == first and "replicas diverged by step 10" in result.stderr
 
 
-def test_pipeline_send_recv_is_timed_as_communication(tmp_path):
-    train(tmp_path, 2, "--max-steps", "6", "--global-batch-size", "16", "--strategy", "pipeline")
-    rows = metrics(tmp_path)
+def test_pipeline_send_recv_is_timed_as_communication(catalogue):
+    run = wide_run(catalogue, 2, "sgd", "--strategy", "pipeline", "--pp-schedule", "1f1b")  # test_pipeline's
+    rows = metrics(run)
     # Each stage sends each sample's activations (forward) or their gradient (backward) once per
     # step: rows x block_size x n_embd float32 values (TINY: 16 x 32 x 32 x 4 bytes).
     assert all(row["breakdown"]["comm_bytes"] == [16 * 32 * 32 * 4.0] * 2 for row in rows)
     assert all(min(row["breakdown"]["comm"]) > 0 and min(row["breakdown"]["collectives"]) > 0 for row in rows)
     # Stages do different work by design: no straggler alert between them.
-    assert (tmp_path / "alerts.jsonl").read_text() == ""
+    assert (run / "alerts.jsonl").read_text() == ""
 
 
 def test_trace_has_one_track_per_rank_with_phases_and_collectives(straggler_run):
@@ -120,7 +120,7 @@ def test_monitoring_off_keeps_plain_metrics(tmp_path):
     (["--prometheus-port", "70000"], ["prometheus_port", "1..65535"]),
     (["--check-every", "-1"], ["check_every", ">= 0"]),
 ])
-def test_bad_monitoring_options_are_refused(tmp_path, args, words):
-    result = gradmesh("train", "--run-dir", str(tmp_path), *args, timeout=60)
+def test_bad_monitoring_options_are_refused(cli, tmp_path, args, words):
+    result = cli("train", "--run-dir", str(tmp_path), *args)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert all(w in result.stderr for w in words), result.stderr

@@ -7,22 +7,23 @@ bound separates summation-order noise from real mistakes.
 
 import pytest
 
-from helpers import references, rel_l2, train, weights
+from helpers import rel_l2, train, weights
+from runs import References, STEPS, ddp_run, digits_run, sharded_run
 
 TOLERANCE = 1e-5
-STEPS = ["--max-steps", "20", "--global-batch-size", "16"]
+SLOW = pytest.mark.slow  # 4 ranks: the same contract as the 2-rank case, twice the processes
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return references(tmp_path_factory, "ref", *STEPS)
+def reference(catalogue):
+    """Single-process runs, one per optimizer: the yardstick (shared through the catalogue)."""
+    return References(lambda optimizer: ddp_run(catalogue, 1, optimizer))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_ddp_matches_single_process(reference, tmp_path, nproc, optimizer):
-    train(tmp_path, nproc, *STEPS, "--optimizer", optimizer)
-    assert rel_l2(weights(tmp_path), reference[optimizer]) <= TOLERANCE
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=SLOW)])
+def test_ddp_matches_single_process(reference, catalogue, nproc, optimizer):
+    assert rel_l2(weights(ddp_run(catalogue, nproc, optimizer)), reference[optimizer]) <= TOLERANCE
 
 
 def test_gradient_accumulation_matches_single_process(reference, tmp_path):
@@ -36,22 +37,22 @@ def test_parity_check_detects_a_different_batch(reference, tmp_path):
     assert rel_l2(weights(tmp_path), reference["sgd"]) > 10 * TOLERANCE
 
 
-def test_short_last_batch_of_an_epoch_is_weighted_exactly(tmp_path):
+def test_short_last_batch_of_an_epoch_is_weighted_exactly(catalogue):
     """mlp-digits: 1437 training samples, 96 per step, so step 15 holds 93 samples; 20 steps
-    cross the epoch boundary. Every sample must count 1/93 there, on 1 and on 4 ranks."""
-    args = ["--model", "mlp-digits", "--max-steps", "20", "--global-batch-size", "96", "--optimizer", "sgd"]
-    train(tmp_path / "one", 1, *args, tiny=False)
-    train(tmp_path / "four", 4, *args, tiny=False)
-    assert rel_l2(weights(tmp_path / "four"), weights(tmp_path / "one")) <= TOLERANCE
+    cross the epoch boundary. Every sample must count 1/93 there, on 1 and on 4 ranks (with two
+    micro-batches each, so the 93 split unevenly over 8 shares)."""
+    one, four = digits_run(catalogue, 1), digits_run(catalogue, 4, "--grad-accum", "2")
+    assert rel_l2(weights(four), weights(one)) <= TOLERANCE
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-@pytest.mark.parametrize("strategy, nproc", [("zero1", 2), ("zero1", 4), ("fsdp", 2), ("fsdp", 4)])
-def test_sharded_strategies_match_single_process(reference, tmp_path, strategy, nproc, optimizer):
-    train(tmp_path, nproc, *STEPS, "--optimizer", optimizer, "--strategy", strategy)
-    assert rel_l2(weights(tmp_path), reference[optimizer]) <= TOLERANCE
+@pytest.mark.parametrize("strategy, nproc", [("zero1", 2), pytest.param("zero1", 4, marks=SLOW),
+                                             ("fsdp", 2), pytest.param("fsdp", 4, marks=SLOW)])
+def test_sharded_strategies_match_single_process(reference, catalogue, strategy, nproc, optimizer):
+    assert rel_l2(weights(sharded_run(catalogue, nproc, optimizer, strategy)), reference[optimizer]) <= TOLERANCE
 
 
+@pytest.mark.slow  # accumulation (ddp) and fsdp each keep a fast-tier parity test
 def test_fsdp_gradient_accumulation_matches_single_process(reference, tmp_path):
     train(tmp_path, 2, *STEPS, "--optimizer", "sgd", "--strategy", "fsdp", "--grad-accum", "2")
     assert rel_l2(weights(tmp_path), reference["sgd"]) <= TOLERANCE

@@ -9,63 +9,67 @@ import pytest
 import torch
 import torch.nn as nn
 
-from helpers import gradmesh, references, rel_l2, train, weights
+from catalogue import copy_run
+from helpers import rel_l2, train, weights
 from gradmesh.models import gpt
 from gradmesh.parallel.pipeline import keep_only, pipeline_units, profile_units
 from gradmesh.plan.partition import balanced_cut, equal_cut, stage_load
+from runs import References, HALF, WIDE, digits_run, wide_run
 
 TOLERANCE = 1e-5
-ARGS = ["--max-steps", "20", "--global-batch-size", "16", "--set", "model.n_layer=4"]
+PIPELINE = ("--strategy", "pipeline")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return references(tmp_path_factory, "pp-ref", *ARGS)
+def reference(catalogue):
+    """The 4-layer model in one process (shared with test_tensor_parallel through the catalogue)."""
+    return References(lambda optimizer: wide_run(catalogue, 1, optimizer))
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
-def test_each_schedule_matches_single_process(reference, tmp_path, schedule, optimizer):
-    train(tmp_path, 2, *ARGS, "--optimizer", optimizer, "--strategy", "pipeline", "--pp-schedule", schedule)
-    assert rel_l2(weights(tmp_path), reference[optimizer]) <= TOLERANCE
-    plan = json.loads((tmp_path / "pipeline.json").read_text())
+# Every schedule under sgd (which, unlike adamw, a wrong gradient scale cannot fool) in the fast
+# tier; the 1f1b sgd run is also test_monitor's. Under adamw the same schedules are slow.
+@pytest.mark.parametrize("schedule, optimizer", [
+    ("gpipe", "sgd"), ("1f1b", "sgd"), ("interleaved", "sgd"),
+    *(pytest.param(schedule, "adamw", marks=pytest.mark.slow) for schedule in ("gpipe", "1f1b", "interleaved"))])
+def test_each_schedule_matches_single_process(reference, catalogue, schedule, optimizer):
+    run = wide_run(catalogue, 2, optimizer, *PIPELINE, "--pp-schedule", schedule)
+    assert rel_l2(weights(run), reference[optimizer]) <= TOLERANCE
+    plan = json.loads((run / "pipeline.json").read_text())
     stages = 4 if schedule == "interleaved" else 2
     assert [s["rank"] for s in plan["stages"]] == [s % 2 for s in range(stages)]
     held = [u for s in plan["stages"] for u in s["units"]]
     assert held == ["wte", "h.0", "h.1", "h.2", "h.3", "ln_f"]  # every unit once, in order
 
 
+@pytest.mark.slow  # 4 ranks; the 2-rank schedules above keep the contract in the fast tier
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("layout", [["--strategy", "pipeline"], ["--mesh", "dp=2,pp=2"]])
-def test_four_ranks_match_single_process(reference, tmp_path, layout, optimizer):
-    train(tmp_path, 4, *ARGS, "--optimizer", optimizer, *layout)
-    assert rel_l2(weights(tmp_path), reference[optimizer]) <= TOLERANCE
+def test_four_ranks_match_single_process(reference, catalogue, layout, optimizer):
+    assert rel_l2(weights(wide_run(catalogue, 4, optimizer, *layout)), reference[optimizer]) <= TOLERANCE
 
 
 def test_manual_cut_is_used_and_keeps_parity(reference, tmp_path):
-    train(tmp_path, 2, *ARGS, "--optimizer", "sgd", "--strategy", "pipeline", "--pp-split", "h.3")
+    train(tmp_path, 2, *WIDE, "--max-steps", "20", "--global-batch-size", "16", "--optimizer", "sgd",
+          *PIPELINE, "--pp-split", "h.3")
     plan = json.loads((tmp_path / "pipeline.json").read_text())
     assert plan["cut"] == "manual"
     assert [s["units"] for s in plan["stages"]] == [["wte", "h.0", "h.1", "h.2"], ["h.3", "ln_f"]]
     assert rel_l2(weights(tmp_path), reference["sgd"]) <= TOLERANCE
 
 
-def test_short_last_batch_is_padded_with_weightless_samples(tmp_path):
+def test_short_last_batch_is_padded_with_weightless_samples(catalogue):
     """mlp-digits: step 15 holds 93 of 96 samples; the pipeline pads its share with weight 0."""
-    args = ["--model", "mlp-digits", "--max-steps", "20", "--global-batch-size", "96", "--optimizer", "sgd"]
-    train(tmp_path / "one", 1, *args, tiny=False)
-    train(tmp_path / "pp", 2, *args, "--strategy", "pipeline", "--pp-schedule", "gpipe", "--microbatches", "5",
-          tiny=False)
-    assert rel_l2(weights(tmp_path / "pp"), weights(tmp_path / "one")) <= TOLERANCE
+    one = digits_run(catalogue, 1)  # shared with test_parity and test_data_order
+    pp = digits_run(catalogue, 2, *PIPELINE, "--pp-schedule", "gpipe", "--microbatches", "5")
+    assert rel_l2(weights(pp), weights(one)) <= TOLERANCE
 
 
-def test_pipeline_checkpoint_resumes_under_ddp_and_back(reference, tmp_path):
-    first = [a if a != "20" else "10" for a in ARGS]
-    train(tmp_path, 2, *first, "--optimizer", "adamw", "--strategy", "pipeline")
-    layers = ["--set", "model.n_layer=4"]
-    train(tmp_path, 2, "--resume", "--strategy", "ddp", "--max-steps", "15", *layers)
-    train(tmp_path, 2, "--resume", "--strategy", "pipeline", "--pp-schedule", "gpipe", "--max-steps", "20", *layers)
-    assert rel_l2(weights(tmp_path), reference["adamw"]) <= TOLERANCE
+@pytest.mark.slow  # three runs; checkpoints crossing strategies stay in the fast tier (test_sharded, tp -> fsdp)
+def test_pipeline_checkpoint_resumes_under_ddp_and_back(reference, catalogue, tmp_path):
+    run = copy_run(catalogue.run(2, *WIDE, *HALF, *PIPELINE), tmp_path / "run")
+    train(run, 2, "--resume", "--strategy", "ddp", "--max-steps", "15", *WIDE)
+    train(run, 2, "--resume", *PIPELINE, "--pp-schedule", "gpipe", "--max-steps", "20", *WIDE)
+    assert rel_l2(weights(run), reference["adamw"]) <= TOLERANCE
 
 
 @pytest.mark.parametrize("args, words", [
@@ -79,8 +83,8 @@ def test_pipeline_checkpoint_resumes_under_ddp_and_back(reference, tmp_path):
      ["exceeds the 8 samples"]),
     (["--nproc", "2", "--strategy", "pipeline", "--pp-schedule", "zigzag"], ["invalid choice", "interleaved"]),
 ])
-def test_impossible_pipelines_are_refused_before_launch(tmp_path, args, words):
-    result = gradmesh("train", "--run-dir", str(tmp_path), *args, timeout=60)
+def test_impossible_pipelines_are_refused_before_launch(cli, tmp_path, args, words):
+    result = cli("train", "--run-dir", str(tmp_path), *args)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and all(w in result.stderr for w in words), result.stderr
 

@@ -1,36 +1,39 @@
-"""Checkpoints: resume equals an uninterrupted run; a half-written checkpoint is never used."""
+"""Checkpoints: resume equals an uninterrupted run; a half-written checkpoint is never used.
+
+The runs stopped at step 10 and the uninterrupted 20-step runs come from the session's
+catalogue; every test resumes or damages its own copy."""
 
 import shutil
 
+import pytest
+
+from catalogue import copy_run
 from gradmesh.fault import checkpoint
 from helpers import metrics, rel_l2, train, weights
+from runs import ddp_run, half_run
 
-ARGS = ["--global-batch-size", "16", "--optimizer", "adamw", "--checkpoint-every", "5"]
 
-
-def test_ten_steps_then_resume_to_twenty_equals_twenty(tmp_path):
-    train(tmp_path / "whole", 2, *ARGS, "--max-steps", "20")
-    train(tmp_path / "split", 2, *ARGS, "--max-steps", "10")
-    assert checkpoint.latest_checkpoint(tmp_path / "split").name == "step-10"
-    train(tmp_path / "split", 2, "--resume", "--max-steps", "20")
-    assert rel_l2(weights(tmp_path / "split"), weights(tmp_path / "whole")) <= 1e-6
-    steps = [m["step"] for m in metrics(tmp_path / "split")]
+def test_ten_steps_then_resume_to_twenty_equals_twenty(catalogue, tmp_path):
+    whole = ddp_run(catalogue, 2, "adamw")
+    split = copy_run(half_run(catalogue, 2), tmp_path / "split")
+    assert checkpoint.latest_checkpoint(split).name == "step-10"
+    train(split, 2, "--resume", "--max-steps", "20")
+    assert rel_l2(weights(split), weights(whole)) <= 1e-6
+    steps = [m["step"] for m in metrics(split)]
     assert steps == list(range(1, 21))  # the resumed run appends steps 11..20
-    whole, split = metrics(tmp_path / "whole"), metrics(tmp_path / "split")
-    assert [m["samples"] for m in split] == [m["samples"] for m in whole]
+    assert [m["samples"] for m in metrics(split)] == [m["samples"] for m in metrics(whole)]
 
 
-def test_resume_at_another_world_size(tmp_path):
+@pytest.mark.slow  # world size 1 -> 2; test_sharded's fsdp at 2 -> ddp at 1 keeps resharding in the fast tier
+def test_resume_at_another_world_size(catalogue, tmp_path):
     """Data-parallel checkpoints hold whole replicas: 2 ranks may continue what 1 rank began."""
-    train(tmp_path / "whole", 1, *ARGS, "--max-steps", "12")
-    train(tmp_path / "split", 1, *ARGS, "--max-steps", "6")
-    train(tmp_path / "split", 2, "--resume", "--max-steps", "12")
-    assert rel_l2(weights(tmp_path / "split"), weights(tmp_path / "whole")) <= 1e-5
+    split = copy_run(half_run(catalogue, 1), tmp_path / "split")
+    train(split, 2, "--resume", "--max-steps", "20")
+    assert rel_l2(weights(split), weights(ddp_run(catalogue, 1, "adamw"))) <= 1e-5
 
 
-def test_half_written_checkpoint_is_ignored(tmp_path):
-    run = tmp_path / "run"
-    train(run, 1, *ARGS, "--max-steps", "10", "--set", "checkpoint.keep=0")
+def test_half_written_checkpoint_is_ignored(catalogue, tmp_path):
+    run = copy_run(half_run(catalogue, 1), tmp_path / "run")
     root = run / "checkpoints"
     assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-10", "step-5"]
     # A crash mid-write leaves the temporary folder, or (worse) a folder missing its state file.
@@ -42,6 +45,6 @@ def test_half_written_checkpoint_is_ignored(tmp_path):
     assert metrics(run)[-1]["step"] == 12
 
 
-def test_keep_prunes_old_checkpoints(tmp_path):
-    train(tmp_path, 1, *ARGS, "--max-steps", "20", "--set", "checkpoint.keep=2")
-    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step-20", "step-15"]
+def test_keep_prunes_old_checkpoints(catalogue):
+    run = ddp_run(catalogue, 1, "adamw")  # 20 steps, a checkpoint every 5, checkpoint.keep=2
+    assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-20", "step-15"]

@@ -7,29 +7,31 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from catalogue import copy_run
 from gradmesh.fault import checkpoint
 from helpers import gradmesh, metrics, rel_l2, summary, train, weights
+from runs import ddp_run, half_run, sharded_run
 
 ARGS = ["--global-batch-size", "16", "--optimizer", "adamw"]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run = tmp_path_factory.mktemp("whole")
-    train(run, 1, *ARGS, "--max-steps", "20")
-    return weights(run)
+def uninterrupted(catalogue):
+    return weights(ddp_run(catalogue, 1, "adamw"))  # the single-process parity reference
 
 
-@pytest.mark.parametrize("first, second", [(("fsdp", 2), ("ddp", 1)), (("ddp", 1), ("fsdp", 4)),
-                                           (("zero1", 4), ("fsdp", 2))])
-def test_checkpoint_resumes_under_another_strategy_and_world_size(uninterrupted, tmp_path, first, second):
+@pytest.mark.parametrize("first, second", [
+    (("fsdp", 2), ("ddp", 1)),
+    pytest.param(("ddp", 1), ("fsdp", 4), marks=pytest.mark.slow),  # 4 ranks; the 2-rank case stays
+    pytest.param(("zero1", 4), ("fsdp", 2), marks=pytest.mark.slow)])
+def test_checkpoint_resumes_under_another_strategy_and_world_size(uninterrupted, catalogue, tmp_path, first, second):
     (strategy_a, n_a), (strategy_b, n_b) = first, second
-    train(tmp_path, n_a, *ARGS, "--strategy", strategy_a, "--max-steps", "10")
-    state = checkpoint.read_state(checkpoint.latest_checkpoint(tmp_path))
+    run = copy_run(half_run(catalogue, n_a, strategy_a), tmp_path / "run")
+    state = checkpoint.read_state(checkpoint.latest_checkpoint(run))
     assert (state["strategy"], state["world_size"]) == (strategy_a, n_a)
-    train(tmp_path, n_b, "--resume", "--strategy", strategy_b, "--max-steps", "20")
-    assert rel_l2(weights(tmp_path), uninterrupted) <= 1e-5
-    assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 21))
+    train(run, n_b, "--resume", "--strategy", strategy_b, "--max-steps", "20")
+    assert rel_l2(weights(run), uninterrupted) <= 1e-5
+    assert [m["step"] for m in metrics(run)] == list(range(1, 21))
 
 
 def test_async_checkpoints_resume_exactly(uninterrupted, tmp_path):
@@ -40,17 +42,17 @@ def test_async_checkpoints_resume_exactly(uninterrupted, tmp_path):
     assert rel_l2(weights(tmp_path), uninterrupted) <= 1e-5
 
 
-def test_damaged_checkpoint_is_reported_and_the_previous_one_used(uninterrupted, tmp_path):
-    train(tmp_path, 2, *ARGS, "--checkpoint-every", "5", "--max-steps", "10", "--set", "checkpoint.keep=0")
-    shard = sorted((tmp_path / "checkpoints" / "step-10").glob("*.distcp"))[0]
+def test_damaged_checkpoint_is_reported_and_the_previous_one_used(uninterrupted, catalogue, tmp_path):
+    run = copy_run(half_run(catalogue, 2), tmp_path / "run")  # checkpoints at 5 and 10, all kept
+    shard = sorted((run / "checkpoints" / "step-10").glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert "fails its checksum" in checkpoint.verify(tmp_path / "checkpoints" / "step-10")
-    result = train(tmp_path, 2, "--resume", "--max-steps", "20")
+    assert "fails its checksum" in checkpoint.verify(run / "checkpoints" / "step-10")
+    result = train(run, 2, "--resume", "--max-steps", "20")
     assert "step-10 is damaged" in result.stderr
-    assert rel_l2(weights(tmp_path), uninterrupted) <= 1e-5  # steps 6..20 redone from step-5
-    steps = [m["step"] for m in metrics(tmp_path)]
+    assert rel_l2(weights(run), uninterrupted) <= 1e-5  # steps 6..20 redone from step-5
+    steps = [m["step"] for m in metrics(run)]
     assert steps == list(range(1, 21))  # the records of the redone steps 6..10 replaced, not repeated
 
 
@@ -80,27 +82,29 @@ def test_async_checkpoint_failure_surfaces(tmp_path):
     assert not checkpoint.complete_checkpoints(tmp_path / "run")
 
 
-def test_export_writes_the_unsharded_weights_of_any_checkpoint(tmp_path):
-    train(tmp_path, 2, *ARGS, "--strategy", "fsdp", "--checkpoint-every", "4", "--max-steps", "8")
+def test_export_writes_the_unsharded_weights_of_any_checkpoint(catalogue, cli, tmp_path):
+    """In-process (export starts no workers); the real entry point is covered in test_cli_errors."""
+    run = half_run(catalogue, 2, "fsdp")  # checkpoints at steps 5 and 10; export only reads them
     out = tmp_path / "exported.safetensors"
-    result = gradmesh("export", str(tmp_path), "--out", str(out), timeout=60)
+    result = cli("export", str(run), "--out", str(out))
     assert result.returncode == 0, result.stderr
-    exported, final = load_file(str(out)), weights(tmp_path)
+    exported, final = load_file(str(out)), weights(run)
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
-    early = tmp_path / "step4.safetensors"
-    assert gradmesh("export", str(tmp_path), "--step", "4", "--out", str(early), timeout=60).returncode == 0
+    early = tmp_path / "step5.safetensors"
+    assert cli("export", str(run), "--step", "5", "--out", str(early)).returncode == 0
     assert rel_l2(load_file(str(early)), final) > 1e-4  # a different point of training
-    bad = gradmesh("export", str(tmp_path), "--step", "5", "--out", str(early), timeout=60)
-    assert bad.returncode == 2 and "available steps: 4, 8" in bad.stderr
+    bad = cli("export", str(run), "--step", "4", "--out", str(early))
+    assert bad.returncode == 2 and "available steps: 5, 10" in bad.stderr
 
 
 @pytest.mark.parametrize("strategy, formula", [
     ("ddp", lambda p, n: 16 * p), ("zero1", lambda p, n: 8 * p + 8 * p / n), ("fsdp", lambda p, n: 16 * p / n)])
-def test_model_state_bytes_follow_the_zero_paper(tmp_path, strategy, formula):
-    """fp32 Adam: 4 bytes of parameter, 4 of gradient, 8 of moments per parameter (ZeRO, Rajbhandari et al.)."""
-    train(tmp_path, 2, *ARGS, "--strategy", strategy, "--max-steps", "2")
-    params = sum(t.numel() for t in weights(tmp_path).values())
-    per_rank = summary(tmp_path)["model_state_bytes"]
+def test_model_state_bytes_follow_the_zero_paper(catalogue, strategy, formula):
+    """fp32 Adam: 4 bytes of parameter, 4 of gradient, 8 of moments per parameter (ZeRO, Rajbhandari et al.).
+    Read from the 2-rank parity runs."""
+    run = ddp_run(catalogue, 2, "adamw") if strategy == "ddp" else sharded_run(catalogue, 2, "adamw", strategy)
+    params = sum(t.numel() for t in weights(run).values())
+    per_rank = summary(run)["model_state_bytes"]
     assert len(per_rank) == 2
     for measured in per_rank:
         assert abs(measured / formula(params, 2) - 1) <= 0.10, (measured, formula(params, 2))

@@ -7,30 +7,31 @@ import torch
 
 from gradmesh.config import build
 from helpers import metrics, summary, train, weights
+from runs import RECORDED, STEPS, ddp_run
 
 
-def test_run_directory_layout_and_contents(tmp_path):
-    train(tmp_path, 2, "--max-steps", "6", "--global-batch-size", "8", "--checkpoint-every", "3")
-    cfg = build([tomllib.loads((tmp_path / "config.toml").read_text())])
-    assert cfg.model.n_layer == 2 and cfg.train.max_steps == 6  # the resolved config
-    rows = metrics(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, 7))
+def test_run_directory_layout_and_contents(catalogue):
+    run = ddp_run(catalogue, 2, "adamw")  # 20 steps of 16, a checkpoint every 5, the newest 2 kept
+    cfg = build([tomllib.loads((run / "config.toml").read_text())])
+    assert cfg.model.n_layer == 2 and cfg.train.max_steps == 20  # the resolved config
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 21))
     for key in ("step", "loss", "lr", "samples", "step_time_s", "samples_per_s"):
         assert all(key in r for r in rows)
-    assert rows[-1]["samples"] == 48
-    info = summary(tmp_path)
+    assert rows[-1]["samples"] == 320
+    info = summary(run)
     for key in ("steps", "samples", "wall_s", "samples_per_s", "final_loss", "eval", "world_size",
                 "strategy", "peak_memory_bytes"):
         assert key in info
     assert info["world_size"] == 2 and len(info["peak_memory_bytes"]) == 2
     assert all(p > 10 * 2**20 for p in info["peak_memory_bytes"])
     assert info["final_loss"] == rows[-1]["loss"] and "loss" in info["eval"]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-3", "step-6"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-15", "step-20"]
     # Final weights are named as in the plain model's state_dict (no DDP "module." prefix).
     from gradmesh.models.gpt import GPT, GPTConfig
-    vocab = json.loads((tmp_path / "vocab.json").read_text())
+    vocab = json.loads((run / "vocab.json").read_text())
     plain = GPT(GPTConfig(vocab_size=len(vocab), block_size=32, n_layer=2, n_head=2, n_embd=32))
-    saved = weights(tmp_path)
+    saved = weights(run)
     assert saved.keys() == plain.state_dict().keys()
     plain.load_state_dict(saved)
 
@@ -56,8 +57,8 @@ def test_gpt_char_on_a_user_text_folder_learns_and_samples(tmp_path):
     assert set(info["sample"][4:]) <= set(json.loads((run / "vocab.json").read_text()))
 
 
-def test_single_process_is_deterministic(tmp_path):
-    train(tmp_path / "a", 1, "--max-steps", "5")
-    train(tmp_path / "b", 1, "--max-steps", "5")
-    a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
+def test_single_process_is_deterministic(catalogue, tmp_path):
+    """A second, fresh run with the same arguments as the catalogue's single-process reference."""
+    train(tmp_path, 1, *STEPS, "--optimizer", "adamw", *RECORDED)
+    a, b = weights(tmp_path), weights(ddp_run(catalogue, 1, "adamw"))
     assert all(torch.equal(a[k], b[k]) for k in a)
