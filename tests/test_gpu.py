@@ -7,7 +7,7 @@ two GPUs and is skipped on one)."""
 import pytest
 import torch
 
-from helpers import references, rel_l2, train, weights
+from helpers import rel_l2, train, weights
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")]
@@ -20,8 +20,8 @@ def gpus() -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return references(tmp_path_factory, "gpu-ref", *STEPS)
+def reference(catalogue):
+    return {optimizer: weights(catalogue.run(1, *STEPS, "--optimizer", optimizer)) for optimizer in ("adamw", "sgd")}
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

@@ -108,3 +108,14 @@ def test_model_state_bytes_follow_the_zero_paper(catalogue, strategy, formula):
     assert len(per_rank) == 2
     for measured in per_rank:
         assert abs(measured / formula(params, 2) - 1) <= 0.10, (measured, formula(params, 2))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+def test_the_registry_state_formulas_match_what_ranks_hold(catalogue, strategy):
+    """The strategy registry's state_bytes (what the planner will read) against the same runs."""
+    from gradmesh.parallel import registry
+
+    run = ddp_run(catalogue, 2, "adamw") if strategy == "ddp" else sharded_run(catalogue, 2, "adamw", strategy)
+    expected = registry.get(strategy).state_bytes(registry.ModelSize(params=sum(t.numel() for t in weights(run).values())), 2)
+    for measured in summary(run)["model_state_bytes"]:
+        assert abs(measured / expected - 1) <= 0.10, (measured, expected)
