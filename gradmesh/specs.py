@@ -5,6 +5,7 @@ at the config layer, so that checking a config needs no fault-handling code; the
 (`gradmesh.fault.inject`) acts on the parsed `Fault` records.
 """
 
+import math
 from dataclasses import dataclass
 
 from gradmesh.errors import UsageError
@@ -37,7 +38,7 @@ class Fault:
 def _parse_one(text: str) -> Fault:
     kind, _, rest = text.strip().partition(":")
     fields = dict(part.partition("=")[::2] for part in rest.split(",") if part)
-    if kind not in KINDS or not rest or set(fields) - KINDS[kind] or "rank" not in fields:
+    if kind not in KINDS or not rest or set(fields) - KINDS[kind] or "rank" not in fields or not rest.isascii():
         raise UsageError(f"--inject {text!r}: expected {FORMS}")
     try:
         fault = Fault(kind, int(fields["rank"]), step=int(fields.get("step", 0)), at=fields.get("at", "step"),
@@ -45,8 +46,9 @@ def _parse_one(text: str) -> Fault:
     except ValueError:
         raise UsageError(f"--inject {text!r}: rank and step must be whole numbers, factor a number; expected {FORMS}") from None
     if (kind != "slow" and fault.step < 1 or fault.rank < 0 or fault.at not in ("step", "checkpoint")
-            or fault.factor < 1 or fault.delay < 0):
-        raise UsageError(f"--inject {text!r}: needs rank >= 0, step >= 1, factor >= 1, delay >= 0, at=step|checkpoint")
+            or not math.isfinite(fault.factor) or not math.isfinite(fault.delay) or fault.factor < 1 or fault.delay < 0):
+        raise UsageError(f"--inject {text!r}: needs rank >= 0, step >= 1, a finite factor >= 1 and delay >= 0, "
+                         "at=step|checkpoint")
     return fault
 
 

@@ -4,6 +4,8 @@ The cases call `gradmesh.cli.main` in-process (the `cli` fixture fails a test wh
 starts a process before it is refused); a few go through the real `python -m gradmesh` so the
 entry point itself stays covered."""
 
+import socket
+
 import pytest
 
 from catalogue import copy_run
@@ -47,6 +49,25 @@ CASES = {
     "unwritable run dir": (["--run-dir", "{tmp}/readonly/file/run"], ["run dir", "not writable"]),
     "resume with no checkpoint": (["--resume", "--run-dir", "{tmp}/fresh"], ["--resume", "no complete checkpoint"]),
 }
+# Numbers that pass a `<` check but break a run later (issue 13): refused before anything is written.
+NUMBERS = {
+    "NaN learning rate": (["--lr", "nan"], ["train.lr", "finite", "nan"]),
+    "infinite step timeout": (["--set", "fault.step_timeout=inf"], ["fault.step_timeout", "finite"]),
+    "NaN gradient clip": (["--set", "train.grad_clip=nan"], ["train.grad_clip", "finite"]),
+    "NaN straggler margin": (["--set", "monitor.straggler_margin=nan"], ["monitor.straggler_margin", "finite"]),
+    "NaN slow-down factor": (["--inject", "slow:rank=1,factor=nan"], ["factor=nan", "finite factor"]),
+    "infinite slow-down delay": (["--inject", "slow:rank=1,delay=inf"], ["delay=inf", "delay >= 0"]),
+    "negative seed": (["--seed", "-1"], ["train.seed", "2^63"]),
+    "seed past 2^63": (["--seed", str(2**63)], ["train.seed", "2^63"]),
+    "Arabic-Indic digits in a flag": (["--max-steps", "\u0661\u0660"], ["--max-steps", "ASCII digits only"]),
+    "Arabic-Indic digits in --set": (["--set", "train.max_steps=\u0661\u0660"], ["train.max_steps", "ASCII"]),
+    "Devanagari digits in an injection": (["--inject", "kill:rank=\u0967,step=3"], ["--inject", "kill:rank=R"]),
+    "endpoint without a port": (["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1"], ["--rdzv-endpoint", "HOST:PORT"]),
+    "endpoint port out of range": (["--nnodes", "2", "--rdzv-endpoint", "h:70000"], ["70000", "1 to 65535"]),
+    "empty run dir": (["--run-dir", ""], ["run.dir is empty", "--run-dir DIR"]),
+}
+CASES.update({name: ([a.encode().decode("unicode_escape") for a in args], words)
+              for name, (args, words) in NUMBERS.items()})
 
 
 def train_args(name, files):
@@ -61,6 +82,17 @@ def train_args(name, files):
 def test_bad_input_is_one_clear_line_with_exit_code_2(name, files, cli):
     args, words = train_args(name, files)
     assert_usage_error(cli(*args), *words)
+    assert not (files / "run").exists()  # refused before the run directory is made
+
+
+def test_a_prometheus_port_in_use_is_refused_before_launch(files, cli):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = cli("train", "--prometheus-port", str(port), "--run-dir", str(files / "run"))
+    assert_usage_error(result, f"--prometheus-port {port}", "not free")
+    assert not (files / "run").exists()
 
 
 def test_bad_input_through_the_real_entry_point(files):

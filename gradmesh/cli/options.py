@@ -34,13 +34,26 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
+def _ascii_number(kind: type):
+    """An argparse type like int or float that refuses other scripts' digits (int('١٢') is 12)."""
+    def parse(text: str):
+        if not text.isascii():
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__} (ASCII digits only)")
+        return kind(text)  # a ValueError here is argparse's "invalid int value" line
+    parse.__name__ = kind.__name__
+    return parse
+
+
+integer, number = _ascii_number(int), _ascii_number(float)
+
+
 def nproc_type(text: str) -> int:
     """--nproc: a whole number >= 1, or 'auto' (0: one per GPU, decided at launch)."""
     if text == "auto":
         return 0
     try:
-        value = int(text)
-    except ValueError:
+        value = integer(text)
+    except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"--nproc must be a whole number >= 1 or 'auto', got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"--nproc must be >= 1 (or 'auto'), got {value}")
@@ -49,8 +62,8 @@ def nproc_type(text: str) -> int:
 
 def port_type(text: str) -> int:
     try:
-        value = int(text)
-    except ValueError:
+        value = integer(text)
+    except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"--port must be a whole number from 1 to 65535, got {text!r}") from None
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"--port must be from 1 to 65535, got {value}")
@@ -60,8 +73,8 @@ def port_type(text: str) -> int:
 def add_launch_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workers (torchrun's options)")
     group.add_argument("--nproc", type=nproc_type, metavar="N", help="workers on this machine, or 'auto' (default: one per GPU, else 2)")
-    group.add_argument("--nnodes", type=int, metavar="N", help="machines in the job (default 1)")
-    group.add_argument("--node-rank", type=int, metavar="R", help="this machine's rank (static rendezvous)")
+    group.add_argument("--nnodes", type=integer, metavar="N", help="machines in the job (default 1)")
+    group.add_argument("--node-rank", type=integer, metavar="R", help="this machine's rank (static rendezvous)")
     group.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous address for multi-node jobs")
     group.add_argument("--rdzv-id", metavar="ID", help="job id shared by every node")
     group.add_argument("--rdzv-backend", choices=("c10d", "static"), help="rendezvous backend")

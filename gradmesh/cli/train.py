@@ -3,12 +3,13 @@
 
 import argparse
 import math
+import socket
 import sys
 from pathlib import Path
 
 from gradmesh import config as configuration
 from gradmesh import rundir
-from gradmesh.cli.options import add_launch_options, launch_shape, resolve_config
+from gradmesh.cli.options import add_launch_options, integer, launch_shape, number, resolve_config
 from gradmesh.errors import UsageError
 from gradmesh.mesh import DATA_AXES
 from gradmesh.parallel import registry
@@ -45,21 +46,21 @@ def _add_how_options(train: argparse.ArgumentParser) -> None:
     how.add_argument("--strategy", choices=tuple(registry.STRATEGIES), help="parallelism (default ddp)")
     how.add_argument("--mesh", metavar="AXIS=N,...", help="compose strategies on a named mesh: dp=2,tp=2, fsdp=2,tp=2 or dp=2,pp=2")
     how.add_argument("--pp-schedule", choices=configuration.PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
-    how.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per pipeline step (default 4)")
+    how.add_argument("--microbatches", type=integer, metavar="M", help="micro-batches per pipeline step (default 4)")
     how.add_argument("--pp-split", metavar="UNIT,...", help="manual pipeline cut, e.g. h.2 (default: balanced by measured cost)")
-    how.add_argument("--global-batch-size", type=int, metavar="B", help="samples per optimizer step over all ranks (default 32)")
-    how.add_argument("--grad-accum", type=int, metavar="K", help="micro-batches per rank per step (default 1)")
+    how.add_argument("--global-batch-size", type=integer, metavar="B", help="samples per optimizer step over all ranks (default 32)")
+    how.add_argument("--grad-accum", type=integer, metavar="K", help="micro-batches per rank per step (default 1)")
     how.add_argument("--optimizer", choices=configuration.OPTIMIZERS, help="default adamw")
-    how.add_argument("--lr", type=float, help="peak learning rate")
-    how.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps to run (default 600)")
-    how.add_argument("--seed", type=int)
-    how.add_argument("--eval-every", type=int, metavar="N", help="held-out evaluation every N steps (default: at the end)")
+    how.add_argument("--lr", type=number, help="peak learning rate")
+    how.add_argument("--max-steps", type=integer, metavar="N", help="optimizer steps to run (default 600)")
+    how.add_argument("--seed", type=integer)
+    how.add_argument("--eval-every", type=integer, metavar="N", help="held-out evaluation every N steps (default: at the end)")
 
 
 def _add_run_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     run = train.add_argument_group("run directory")
     run.add_argument("--run-dir", metavar="DIR", help="where config, metrics, checkpoints and weights go (default runs/latest)")
-    run.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps (default: at the end)")
+    run.add_argument("--checkpoint-every", type=integer, metavar="N", help="checkpoint every N steps (default: at the end)")
     run.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint in --run-dir")
     run.add_argument("--async-checkpoint", action="store_true", default=None, help="write checkpoints in the background")
     run.add_argument("--record-samples", action="store_true", default=None, help="log each rank's sample indices per step")
@@ -71,8 +72,8 @@ def _add_failure_options(train: argparse.ArgumentParser) -> None:
     faults.add_argument("--recovery", choices=configuration.RECOVERY,
                         help="restart: every worker restarts from the latest checkpoint; inplace: the survivors "
                              "go on from the current step (ddp, one machine) (default none)")
-    faults.add_argument("--max-restarts", type=int, metavar="K", help="restart: worker-group restarts allowed; inplace: replacement workers started for lost ones (default 3)")
-    faults.add_argument("--step-timeout", type=float, metavar="SECONDS",
+    faults.add_argument("--max-restarts", type=integer, metavar="K", help="restart: worker-group restarts allowed; inplace: replacement workers started for lost ones (default 3)")
+    faults.add_argument("--step-timeout", type=number, metavar="SECONDS",
                         help="declare a hang when a step makes no progress this long: stacks dumped, ranks named (default off)")
     faults.add_argument("--inject", action="append", metavar="FAULT",
                         help="inject a fault (repeatable): kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, "
@@ -83,11 +84,11 @@ def _add_monitoring_options(train: argparse.ArgumentParser) -> None:
     watch = train.add_argument_group("monitoring (see gradmesh monitor / gradmesh report)")
     watch.add_argument("--no-monitor", dest="monitor_enabled", action="store_false", default=None,
                        help="no per-rank step breakdown, straggler detection or replica checks")
-    watch.add_argument("--check-every", type=int, metavar="N",
+    watch.add_argument("--check-every", type=integer, metavar="N",
                        help="compare parameter checksums across data-parallel replicas every N steps (default 50; 0: never)")
     watch.add_argument("--trace-steps", metavar="A:B", help="write trace.json (Chrome/Perfetto) of steps A..B on every rank")
     watch.add_argument("--tensorboard", action="store_true", default=None, help="write TensorBoard event files to RUN_DIR/tensorboard")
-    watch.add_argument("--prometheus-port", type=int, metavar="P", help="serve Prometheus metrics on 127.0.0.1:P/metrics")
+    watch.add_argument("--prometheus-port", type=integer, metavar="P", help="serve Prometheus metrics on 127.0.0.1:P/metrics")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -107,6 +108,8 @@ def check_train(cfg: configuration.Config, nproc: int) -> Path:
     check_ranks(parse_faults(cfg.fault.inject), world)
     _check_recovery(cfg, plan)
     workloads.check_inputs(cfg)
+    if cfg.monitor.prometheus_port:
+        _check_port_free(cfg.monitor.prometheus_port)
     run_dir = rundir.ensure_writable(cfg.run.dir)
     if cfg.checkpoint.resume:
         _check_resume(cfg, run_dir)
@@ -133,6 +136,16 @@ def _check_recovery(cfg: configuration.Config, plan: registry.Plan) -> None:
         accepted = ", ".join(row.name for row in registry.ROWS if row.inplace_recovery)
         raise UsageError(f"--recovery inplace supports --strategy {accepted} on one machine (a lost rank's shard of "
                          "sharded, tensor- or pipeline-parallel state is gone); use --recovery restart")
+
+
+def _check_port_free(port: int) -> None:
+    """Rank 0 serves Prometheus there after launch: a port in use must fail now, not mid-run."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise UsageError(f"--prometheus-port {port}: 127.0.0.1:{port} is not free ({exc.strerror}); "
+                             "choose another port, or 0 for no Prometheus endpoint") from None
 
 
 def _check_resume(cfg: configuration.Config, run_dir: Path) -> None:

@@ -25,6 +25,8 @@ def _coerce(key: str, kind: type, raw):
     """Turn a TOML value or a --set string into the field's type."""
     if isinstance(raw, str) and kind is not str:
         text = raw.strip()
+        if kind in (int, float) and not text.isascii():  # int() takes any script's digits
+            raise UsageError(f"{key}={raw!r} is not a valid {kind.__name__} (ASCII digits only)")
         try:
             if kind is bool:
                 lowered = text.lower()

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 import tomli_w
 
+from gradmesh.config.checks import finite as _finite
+from gradmesh.config.checks import one_of as _one_of
+from gradmesh.config.checks import positive as _positive
 from gradmesh.errors import UsageError
 from gradmesh.specs import parse_faults
 
@@ -14,17 +17,6 @@ MODELS = ("gpt-char", "mlp-digits")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def _positive(section: str, name: str, value, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else ">= 1"
-        raise UsageError(f"{section}.{name} must be {bound}, got {value}")
-
-
-def _one_of(section: str, name: str, value, accepted) -> None:
-    if value not in accepted:
-        raise UsageError(f"{section}.{name}: {value!r} is not one of {', '.join(map(str, accepted))}")
 
 
 @dataclass(kw_only=True)
@@ -49,6 +41,7 @@ class ModelConfig:
     """Hidden width of the two hidden layers (mlp-digits)."""
 
     def __post_init__(self):
+        _finite(self)
         _one_of("model", "name", self.name, MODELS)
         for name in ("n_layer", "n_head", "n_embd", "block_size", "hidden"):
             _positive("model", name, getattr(self, name))
@@ -72,6 +65,7 @@ class DataConfig:
     """Share of the corpus (its end) held out for eval loss."""
 
     def __post_init__(self):
+        _finite(self)
         _positive("data", "max_chars", self.max_chars)
         if not 0.0 < self.eval_fraction < 0.5:
             raise UsageError(f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
@@ -130,12 +124,15 @@ class TrainConfig:
     """Write the sample indices each rank consumed per step to samples-rank{R}.jsonl."""
 
     def __post_init__(self):
+        _finite(self)
         _one_of("train", "optimizer", self.optimizer, OPTIMIZERS)
         _one_of("train", "pp_schedule", self.pp_schedule, PP_SCHEDULES)
         for name in ("global_batch_size", "grad_accum", "microbatches", "max_steps", "decay_steps", "eval_batches", "log_every"):
             _positive("train", name, getattr(self, name))
         for name in ("warmup_steps", "eval_every", "sample_chars", "weight_decay", "grad_clip"):
             _positive("train", name, getattr(self, name), allow_zero=True)
+        if not 0 <= self.seed < 2**63:
+            raise UsageError(f"train.seed must be in [0, 2^63), got {self.seed}")
         if not 0 < self.bucket_mb < 1e6:
             raise UsageError(f"train.bucket_mb must be > 0 (MiB, e.g. 25), got {self.bucket_mb}")
         if self.lr <= 0 or self.min_lr < 0:
@@ -160,6 +157,7 @@ class CheckpointConfig:
     """Write checkpoints in the background while training goes on."""
 
     def __post_init__(self):
+        _finite(self)
         _positive("checkpoint", "every", self.every, allow_zero=True)
         _positive("checkpoint", "keep", self.keep, allow_zero=True)
 
@@ -184,6 +182,7 @@ class FaultConfig:
     slow:rank=R,factor=F|delay=S  diverge:rank=R,step=N."""
 
     def __post_init__(self):
+        _finite(self)
         _one_of("fault", "recovery", self.recovery, RECOVERY)
         _positive("fault", "max_restarts", self.max_restarts, allow_zero=True)
         _positive("fault", "step_timeout", self.step_timeout, allow_zero=True)
@@ -210,6 +209,7 @@ class MonitorConfig:
     """Serve Prometheus metrics on http://127.0.0.1:PORT/metrics (rank 0); 0: off."""
 
     def __post_init__(self):
+        _finite(self)
         if self.straggler_margin <= 0:
             raise UsageError(f"monitor.straggler_margin must be > 0 (a fraction, e.g. 0.5), got {self.straggler_margin}")
         _positive("monitor", "straggler_steps", self.straggler_steps)
@@ -242,12 +242,17 @@ class LaunchConfig:
     """auto (CUDA with NCCL where present, else CPU with gloo), cpu or cuda."""
 
     def __post_init__(self):
+        _finite(self)
         _positive("launch", "nproc", self.nproc, allow_zero=True)
         _positive("launch", "nnodes", self.nnodes)
         _one_of("launch", "device", self.device, DEVICES)
         _one_of("launch", "rdzv_backend", self.rdzv_backend, ("", "c10d", "static"))
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise UsageError("launch.nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        if self.rdzv_endpoint and not (host and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+            raise UsageError(f"--rdzv-endpoint {self.rdzv_endpoint!r}: expected HOST:PORT with PORT from 1 to 65535, "
+                             "e.g. 10.0.0.1:29400")
 
 
 @dataclass(kw_only=True)
@@ -258,6 +263,10 @@ class RunConfig:
     """Run directory: config, metrics, summary, checkpoints, final weights."""
     quiet: bool = False
     """No progress bar or summary table (errors are still printed)."""
+
+    def __post_init__(self):
+        if not self.dir.strip():
+            raise UsageError("run.dir is empty: give --run-dir DIR, a folder for this run's files")
 
 
 @dataclass(kw_only=True)
