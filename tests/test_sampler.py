@@ -64,3 +64,9 @@ def test_split_evenly(n, parts):
     pieces = split_evenly(list(range(n)), parts)
     assert [i for p in pieces for i in p] == list(range(n))
     assert max(map(len, pieces)) - min(map(len, pieces)) <= 1
+
+
+def test_the_largest_accepted_seed_gives_an_order():
+    """Config accepts seeds up to 2^63 - 1; the per-epoch generator seed derived from it must fit too."""
+    sampler = GlobalOrderSampler(10, 4, seed=2**63 - 1)
+    assert sorted(i for _ in range(3) for i in sampler.next_batch(0, 1, 1).indices) == list(range(10))

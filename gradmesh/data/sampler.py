@@ -67,7 +67,8 @@ class GlobalOrderSampler:
         return -(-self.dataset_len // self.global_batch_size)
 
     def epoch_order(self, epoch: int) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        # Reduced below 2^63 (what a generator takes); the identity for every seed below ~9e12.
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
         return torch.randperm(self.dataset_len, generator=generator).tolist()
 
     def next_batch(self, rank: int, world_size: int, grad_accum: int) -> GlobalBatch:
