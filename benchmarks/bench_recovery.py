@@ -39,7 +39,9 @@ FLOOR_WORKERS = 2  # the fault-free run at another world size: the summation-ord
 
 def train(run_dir: Path, nproc: int, *extra: str) -> None:
     cmd = [sys.executable, "-m", "gradmesh", "train", "--nproc", str(nproc), "--max-steps", str(STEPS),
-           "--run-dir", str(run_dir), "--quiet", "--set", "train.sample_chars=0", "--set", "train.eval_batches=1",
+           # --overwrite: the fault-free run of each width is trained again for every recovery mode
+           "--run-dir", str(run_dir), "--overwrite", "--quiet", "--set", "train.sample_chars=0",
+           "--set", "train.eval_batches=1",
            "--set", "train.log_every=1", "--record-samples", *extra]
     subprocess.run(cmd, check=True, capture_output=True)
 

@@ -1,7 +1,16 @@
-"""The run directory (DESIGN.md contract 6): what a run writes, and starting one afresh."""
+"""The run directory (DESIGN.md contract 6): what a run writes, and starting one afresh.
 
+A folder is gradmesh's only when it carries the marker file `.gradmesh-run` (the run's id),
+written first thing into a new or empty folder. A fresh run refuses a non-empty folder without
+it, and a gradmesh run that has checkpoints unless asked to `--overwrite` it; starting afresh
+removes only the files a run writes (DESIGN.md contract 9).
+"""
+
+import json
 import os
 import shutil
+import time
+import uuid
 from pathlib import Path
 
 from gradmesh.errors import UsageError
@@ -10,6 +19,55 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors", "vocab.json",
              "alerts.jsonl", "trace.json", "report.html")
 RANK_FILE_PATTERNS = ("samples-rank*.jsonl", "stacks-rank*.txt", "steps-rank*.jsonl")
 RUN_DIRS = ("checkpoints", "tensorboard", "report")
+MARKER = ".gradmesh-run"
+OWN_PREFIX = ".gradmesh-"
+"""gradmesh's own hidden files (the marker, a launcher's write probe): not a user's content."""
+DEFAULT_ROOT, LATEST = Path("runs"), "latest"
+
+
+def is_gradmesh_run(run_dir: str | Path) -> bool:
+    return (Path(run_dir) / MARKER).is_file()
+
+
+def check_fresh(run_dir: str | Path, overwrite: bool) -> None:
+    """A fresh run may use this folder: new or empty, or an earlier gradmesh run (with checkpoints
+    only under --overwrite). Touches nothing."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return
+    if not is_gradmesh_run(run_dir):
+        if any(not entry.name.startswith(OWN_PREFIX) for entry in run_dir.iterdir()):
+            raise UsageError(f"run dir {str(run_dir)!r} is not empty and holds no gradmesh run (no {MARKER}); "
+                             "give a new or empty --run-dir (gradmesh never deletes what it did not write)")
+    elif (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) and not overwrite:
+        raise UsageError(f"run dir {str(run_dir)!r} holds a gradmesh run with checkpoints: --resume continues it, "
+                         "--overwrite replaces it")
+
+
+def start_fresh(run_dir: str | Path, overwrite: bool = False) -> list[Path]:
+    """Claim the folder for a new run (the marker first) and remove an earlier run's files;
+    returns what was removed."""
+    run_dir = Path(run_dir)
+    check_fresh(run_dir, overwrite)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not is_gradmesh_run(run_dir):
+        with open(run_dir / MARKER, "x") as marker:  # exclusive: two launchers never both claim it
+            json.dump({"run_id": uuid.uuid4().hex, "created": time.time()}, marker)
+        return []
+    return clear_previous_run(run_dir)
+
+
+def new_default_run_dir(root: Path = DEFAULT_ROOT) -> Path:
+    """A folder of its own for a run started without --run-dir; `runs/latest` points at it."""
+    run_dir = root / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    run_dir.mkdir(parents=True)
+    latest = root / LATEST
+    if latest.is_symlink() or not latest.exists():  # a real folder of that name is a user's: left alone
+        staged = root / f".{LATEST}-{os.getpid()}"
+        staged.unlink(missing_ok=True)
+        staged.symlink_to(run_dir.name)
+        os.replace(staged, latest)
+    return run_dir
 
 
 def ensure_writable(run_dir: str | Path) -> Path:

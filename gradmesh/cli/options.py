@@ -20,7 +20,7 @@ FLAG_KEYS = {
     "inject": "fault.inject",
     "monitor_enabled": "monitor.enabled", "check_every": "monitor.check_every", "trace_steps": "monitor.trace_steps",
     "tensorboard": "monitor.tensorboard", "prometheus_port": "monitor.prometheus_port",
-    "run_dir": "run.dir", "quiet": "run.quiet",
+    "run_dir": "run.dir", "overwrite": "run.overwrite", "quiet": "run.quiet",
     "nproc": "launch.nproc", "nnodes": "launch.nnodes", "node_rank": "launch.node_rank",
     "rdzv_endpoint": "launch.rdzv_endpoint", "rdzv_id": "launch.rdzv_id",
     "rdzv_backend": "launch.rdzv_backend", "device": "launch.device",

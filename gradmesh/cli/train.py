@@ -59,7 +59,11 @@ def _add_how_options(train: argparse.ArgumentParser) -> None:
 
 def _add_run_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     run = train.add_argument_group("run directory")
-    run.add_argument("--run-dir", metavar="DIR", help="where config, metrics, checkpoints and weights go (default runs/latest)")
+    run.add_argument("--run-dir", metavar="DIR",
+                     help="where config, metrics, checkpoints and weights go (default: a new folder under runs/, "
+                          "runs/latest pointing at it; --resume without --run-dir continues runs/latest)")
+    run.add_argument("--overwrite", action="store_true", default=None,
+                     help="start afresh in a gradmesh run dir that has checkpoints (its files are replaced)")
     run.add_argument("--checkpoint-every", type=integer, metavar="N", help="checkpoint every N steps (default: at the end)")
     run.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint in --run-dir")
     run.add_argument("--async-checkpoint", action="store_true", default=None, help="write checkpoints in the background")
@@ -98,9 +102,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     return _launch(cfg, nproc, run_dir)
 
 
-def check_train(cfg: configuration.Config, nproc: int) -> Path:
+def check_train(cfg: configuration.Config, nproc: int) -> Path | None:
     """Every check that can fail before a worker starts, in the order a user meets them (a UsageError
-    names the first problem). Writes nothing but the run directory itself; returns it."""
+    names the first problem). Writes nothing but the run directory itself; returns it (None: a
+    new default one is made at launch)."""
     from gradmesh import workloads
 
     world = nproc * cfg.launch.nnodes
@@ -110,10 +115,20 @@ def check_train(cfg: configuration.Config, nproc: int) -> Path:
     workloads.check_inputs(cfg)
     if cfg.monitor.prometheus_port:
         _check_port_free(cfg.monitor.prometheus_port)
+    if _default_fresh(cfg):  # a folder of its own is made at launch, under runs/
+        rundir.ensure_writable(rundir.DEFAULT_ROOT)
+        return None
     run_dir = rundir.ensure_writable(cfg.run.dir)
     if cfg.checkpoint.resume:
         _check_resume(cfg, run_dir)
+    else:
+        rundir.check_fresh(run_dir, cfg.run.overwrite)
     return run_dir
+
+
+def _default_fresh(cfg: configuration.Config) -> bool:
+    """A fresh run without --run-dir (the default names runs/latest, the newest run)."""
+    return not cfg.checkpoint.resume and Path(cfg.run.dir) == rundir.DEFAULT_ROOT / rundir.LATEST
 
 
 def _check_parallelism(cfg: configuration.Config, nproc: int, world: int) -> registry.Plan:
@@ -170,14 +185,17 @@ def _check_resume(cfg: configuration.Config, run_dir: Path) -> None:
         raise UsageError(f"--resume: config incompatible with {latest}: " + "; ".join(diffs))
 
 
-def _launch(cfg: configuration.Config, nproc: int, run_dir: Path) -> int:
+def _launch(cfg: configuration.Config, nproc: int, run_dir: Path | None) -> int:
     """Settle what the checks left open, write config.toml and start the workers."""
     from gradmesh.launch import run_workers
 
+    if run_dir is None:
+        run_dir = rundir.new_default_run_dir()
+        cfg.run.dir = str(run_dir)
     if cfg.fault.recovery == "restart" and not cfg.checkpoint.every:
         cfg.checkpoint.every = RESTART_CHECKPOINT_EVERY  # a restart must have something recent to resume
     if not cfg.checkpoint.resume:
-        _start_fresh(run_dir, cfg.run.quiet)
+        _start_fresh(run_dir, cfg.run.overwrite, cfg.run.quiet)
     config_path = run_dir / "config.toml"
     config_path.write_text(cfg.to_toml())
     restarts = cfg.fault.max_restarts if cfg.fault.recovery != "none" else 0
@@ -185,7 +203,7 @@ def _launch(cfg: configuration.Config, nproc: int, run_dir: Path) -> int:
                        inplace=(cfg.fault.step_timeout or INPLACE_COLLECTIVE_TIMEOUT) if cfg.fault.recovery == "inplace" else 0.0)
 
 
-def _start_fresh(run_dir: Path, quiet: bool) -> None:
-    if rundir.clear_previous_run(run_dir) and not quiet:
+def _start_fresh(run_dir: Path, overwrite: bool, quiet: bool) -> None:
+    if rundir.start_fresh(run_dir, overwrite) and not quiet:
         print(f"gradmesh: starting a fresh run in {run_dir} (the previous run's files were replaced; "
               "--resume continues a run instead)", file=sys.stderr)

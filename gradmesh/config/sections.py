@@ -260,7 +260,10 @@ class RunConfig:
     """Where results go and how much is printed."""
 
     dir: str = "runs/latest"
-    """Run directory: config, metrics, summary, checkpoints, final weights."""
+    """Run directory: config, metrics, summary, checkpoints, final weights. The default starts each
+    fresh run in a new folder under runs/ with runs/latest pointing at it (and resumes runs/latest)."""
+    overwrite: bool = False
+    """A fresh run may replace an earlier gradmesh run that has checkpoints in the run directory."""
     quiet: bool = False
     """No progress bar or summary table (errors are still printed)."""
 

@@ -111,7 +111,7 @@ class Trainer:
         if self.run_dir and self.topo.is_main and not joined:
             rundir.ensure_writable(self.run_dir)
             if not (self.checkpointing.resume or self.restarted):
-                rundir.clear_previous_run(self.run_dir)
+                rundir.start_fresh(self.run_dir)
         self.engine.start(self.run_dir if not joined else None, self.topo.is_main and not self.ctx.quiet)
         if joined:
             start_step = self.sampler.step

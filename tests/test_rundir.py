@@ -1,0 +1,58 @@
+"""Contract 9: gradmesh never deletes what it did not write (issue 13, item 1).
+
+A run directory gradmesh made carries `.gradmesh-run`; a fresh run refuses a non-empty folder
+without it and touches nothing there; an earlier gradmesh run with checkpoints needs --resume
+or --overwrite; without --run-dir every run gets a folder of its own under runs/."""
+
+import json
+
+from catalogue import copy_run
+from helpers import TINY, gradmesh, metrics, summary
+from runs import half_run
+from test_cli_errors import assert_usage_error
+
+SHORT = ["--nproc", "1", "--quiet", "--max-steps", "2", "--global-batch-size", "8", *TINY]
+
+
+def test_a_folder_gradmesh_did_not_write_is_refused_and_left_untouched(tmp_path, cli):
+    folder = tmp_path / "thesis"
+    folder.mkdir()
+    (folder / "chapter1.tex").write_text("mine")
+    (folder / "metrics.jsonl").write_text("not gradmesh's either\n")
+    before = {p.name: (p.read_text(), p.stat().st_mtime_ns) for p in folder.iterdir()}
+    result = cli("train", "--run-dir", str(folder), *SHORT)
+    assert_usage_error(result, str(folder), "not empty", "no .gradmesh-run")
+    assert {p.name: (p.read_text(), p.stat().st_mtime_ns) for p in folder.iterdir()} == before
+
+
+def test_a_gradmesh_run_with_checkpoints_needs_resume_or_overwrite(catalogue, tmp_path, cli):
+    run = copy_run(half_run(catalogue, 1), tmp_path / "run")
+    result = cli("train", "--run-dir", str(run), *SHORT)
+    assert_usage_error(result, str(run), "--resume", "--overwrite")
+    assert (run / "checkpoints" / "step-10").is_dir()
+
+
+def test_overwrite_replaces_the_runs_files_and_keeps_the_users(catalogue, tmp_path):
+    run = copy_run(half_run(catalogue, 1), tmp_path / "run")
+    (run / "notes.txt").write_text("keep me")
+    marker = (run / ".gradmesh-run").read_text()
+    result = gradmesh("train", "--run-dir", str(run), "--overwrite", *SHORT)
+    assert result.returncode == 0, result.stderr
+    assert [row["step"] for row in metrics(run)] == [1, 2] and summary(run)["steps"] == 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
+    assert (run / "notes.txt").read_text() == "keep me" and (run / ".gradmesh-run").read_text() == marker
+
+
+def test_default_runs_get_a_folder_each_and_resume_continues_the_latest(tmp_path):
+    for steps in ("2", "3"):
+        result = gradmesh("train", *SHORT, "--max-steps", steps, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    runs = sorted(p for p in (tmp_path / "runs").iterdir() if p.name != "latest")
+    assert len(runs) == 2 and all((p / ".gradmesh-run").is_file() for p in runs)
+    latest = (tmp_path / "runs" / "latest").resolve()
+    assert summary(latest)["steps"] == 3 and summary(next(p for p in runs if p != latest))["steps"] == 2
+    ids = {json.loads((p / ".gradmesh-run").read_text())["run_id"] for p in runs}
+    assert len(ids) == 2
+    result = gradmesh("train", "--resume", "--max-steps", "5", "--quiet", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [row["step"] for row in metrics(latest)] == [1, 2, 3, 4, 5]
