@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gradmesh import env, rundir
-from gradmesh.comm import CommCounter, build_reducer
+from gradmesh.comm import build_reducer
 from gradmesh.config import CheckpointConfig, FaultConfig, MonitorConfig, TrainConfig
 from gradmesh.data import GlobalOrderSampler
 from gradmesh.engine import Job, build_engine
