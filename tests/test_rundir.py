@@ -5,10 +5,15 @@ without it and touches nothing there; an earlier gradmesh run with checkpoints n
 or --overwrite; without --run-dir every run gets a folder of its own under runs/."""
 
 import json
+import os
+import subprocess
+import sys
 
 from catalogue import copy_run
 from gradmesh.cli import build_parser
 from gradmesh.cli.options import resolve_config
+from gradmesh.errors import UsageError
+from gradmesh.runlock import LOCK, RunLock
 from helpers import TINY, gradmesh, metrics, summary
 from runs import half_run
 from test_cli_errors import assert_usage_error
@@ -43,6 +48,7 @@ def test_overwrite_replaces_the_runs_files_and_keeps_the_users(catalogue, tmp_pa
     assert [row["step"] for row in metrics(run)] == [1, 2] and summary(run)["steps"] == 2
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
     assert (run / "notes.txt").read_text() == "keep me" and (run / ".gradmesh-run").read_text() == marker
+    assert not (run / LOCK).exists()  # released when the run ended
 
 
 def test_default_runs_get_a_folder_each_and_resume_continues_the_latest(tmp_path, monkeypatch):
@@ -59,3 +65,42 @@ def test_default_runs_get_a_folder_each_and_resume_continues_the_latest(tmp_path
     monkeypatch.chdir(tmp_path)
     cfg = resolve_config(build_parser().parse_args(["train", "--resume", "--max-steps", "5"]))
     assert (tmp_path / cfg.run.dir).resolve() == latest and cfg.train.global_batch_size == 8
+
+
+HOLD = "import sys, time; from gradmesh.runlock import RunLock; RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)"
+
+
+def _holder(run_dir):
+    process = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "held"
+    return process
+
+
+def test_a_run_dir_in_use_is_refused_naming_the_holder_and_a_dead_holder_does_not_block(catalogue, tmp_path, cli):
+    run = copy_run(half_run(catalogue, 1), tmp_path / "run")
+    before = sorted(p.name for p in run.iterdir())
+    holder = _holder(run)
+    try:
+        for extra in ([], ["--resume"], ["--overwrite"]):
+            result = cli("train", "--run-dir", str(run), *SHORT, *extra)
+            assert_usage_error(result, str(run), "in use", f"pid {holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert json.loads((run / LOCK).read_text())["pid"] == holder.pid  # left behind by a killed holder
+    RunLock(run).check()  # ... and it blocks nobody
+    with RunLock(run) as lock:
+        assert json.loads((run / LOCK).read_text())["pid"] == os.getpid() == json.loads(lock.path.read_text())["pid"]
+    assert not (run / LOCK).exists()
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_launchers_of_one_multi_node_job_share_the_lock_others_do_not(tmp_path):
+    with RunLock(tmp_path, job="10.0.0.1:29400/job"):
+        assert RunLock(tmp_path, job="10.0.0.1:29400/job").acquire().fd is None  # a peer: holds nothing
+        try:
+            RunLock(tmp_path, job="10.0.0.1:29400/other").acquire()
+        except UsageError as err:
+            assert f"pid {os.getpid()}" in str(err)
+        else:
+            raise AssertionError("a launcher of another job took a held lock")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gradmesh import config as configuration
 from gradmesh import rundir
+from gradmesh.runlock import RunLock
 from gradmesh.cli.options import add_launch_options, integer, launch_shape, number, resolve_config
 from gradmesh.errors import UsageError
 from gradmesh.mesh import DATA_AXES
@@ -119,6 +120,7 @@ def check_train(cfg: configuration.Config, nproc: int) -> Path | None:
         rundir.ensure_writable(rundir.DEFAULT_ROOT)
         return None
     run_dir = rundir.ensure_writable(cfg.run.dir)
+    RunLock(run_dir, _job_key(cfg)).check()
     if cfg.checkpoint.resume:
         _check_resume(cfg, run_dir)
     else:
@@ -129,6 +131,11 @@ def check_train(cfg: configuration.Config, nproc: int) -> Path | None:
 def _default_fresh(cfg: configuration.Config) -> bool:
     """A fresh run without --run-dir (the default names runs/latest, the newest run)."""
     return not cfg.checkpoint.resume and Path(cfg.run.dir) == rundir.DEFAULT_ROOT / rundir.LATEST
+
+
+def _job_key(cfg: configuration.Config) -> str:
+    """What the launchers of one multi-node job share (they may share the run dir); '' on one machine."""
+    return f"{cfg.launch.rdzv_endpoint}/{cfg.launch.rdzv_id}" if cfg.launch.nnodes > 1 else ""
 
 
 def _check_parallelism(cfg: configuration.Config, nproc: int, world: int) -> registry.Plan:
@@ -187,11 +194,16 @@ def _check_resume(cfg: configuration.Config, run_dir: Path) -> None:
 
 def _launch(cfg: configuration.Config, nproc: int, run_dir: Path | None) -> int:
     """Settle what the checks left open, write config.toml and start the workers."""
-    from gradmesh.launch import run_workers
-
     if run_dir is None:
         run_dir = rundir.new_default_run_dir()
         cfg.run.dir = str(run_dir)
+    with RunLock(run_dir, _job_key(cfg)):  # taken before anything in the folder is touched
+        return _start(cfg, nproc, run_dir)
+
+
+def _start(cfg: configuration.Config, nproc: int, run_dir: Path) -> int:
+    from gradmesh.launch import run_workers
+
     if cfg.fault.recovery == "restart" and not cfg.checkpoint.every:
         cfg.checkpoint.every = RESTART_CHECKPOINT_EVERY  # a restart must have something recent to resume
     if not cfg.checkpoint.resume:
