@@ -83,3 +83,13 @@ def inplace_joining() -> bool:
 def environment() -> dict[str, str]:
     """A copy of the whole environment, for a launcher to extend for its workers."""
     return dict(os.environ)
+
+
+def mark_launcher() -> None:
+    """Tell the workers this process is their launcher, whose death they must not outlive."""
+    os.environ["GRADMESH_LAUNCHER_PID"] = str(os.getpid())
+
+
+def launcher_pid() -> int | None:
+    text = os.environ.get("GRADMESH_LAUNCHER_PID", "")
+    return int(text) if text.isascii() and text.isdigit() else None

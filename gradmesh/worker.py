@@ -1,5 +1,10 @@
 """What each worker of `gradmesh train` runs: `python -m gradmesh.worker RUN_DIR/config.toml`."""
 
+if __name__ == "__main__":  # first, before a second of imports: a stop or a dead launcher during them is handled too
+    from gradmesh import lifeline
+
+    lifeline.tie_to_launcher()
+
 import json
 import os
 import sys

@@ -23,4 +23,5 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     launch = configuration.build([flag_layer(args)]).launch
     _, nproc = launch_shape(launch)
-    return run_workers(launch, nproc, [args.script, *args.script_args])
+    # The script runs under a thin wrapper that ties it to the launcher (gradmesh.lifeline).
+    return run_workers(launch, nproc, ["-m", "gradmesh.lifeline", args.script, *args.script_args])

@@ -10,9 +10,10 @@ import logging
 import sys
 
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from gradmesh import env
+from gradmesh import env, lifeline
 from gradmesh.config import LaunchConfig
 from gradmesh.fault.watchdog import EXIT_HANG
 from gradmesh.topology import threads_per_worker
@@ -20,7 +21,8 @@ from gradmesh.topology import threads_per_worker
 
 def torchrun_args(launch: LaunchConfig, nproc: int, max_restarts: int = 0) -> list[str]:
     args = ["--nproc-per-node", str(nproc), "--nnodes", str(launch.nnodes),
-            "--max-restarts", str(max_restarts), "--monitor-interval", "0.1"]
+            "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
+            "--shutdown-timeout", str(lifeline.GRACE_S)]
     if launch.nnodes == 1 and not launch.rdzv_endpoint:
         return args + ["--standalone"]
     backend = launch.rdzv_backend or ("static" if launch.node_rank >= 0 else "c10d")
@@ -41,6 +43,14 @@ def describe_failure(err: ChildFailedError) -> str:
     return f"gradmesh: worker rank {rank} (pid {failure.pid}) {how}; its traceback, if it left one, is above"
 
 
+def _quiet_agent_warnings() -> None:
+    """The agent's warnings repeat what gradmesh says in one line (a stop, a failure). Its loggers
+    each carry their own level, so the parent's level alone does not reach them."""
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.ERROR)
+
+
 def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restarts: int = 0,
                 inplace: float = 0.0) -> int:
     """Run `target` (['-m', module, ...] or [script, ...]) on nproc local workers; exit code.
@@ -49,15 +59,19 @@ def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restart
     # torchrun's own default is one thread per worker; dividing the cores is faster when
     # fewer workers than cores run here. A user's OMP_NUM_THREADS wins.
     env.set_omp_threads(threads_per_worker(nproc))
+    env.mark_launcher()
     if inplace:
         from gradmesh.launch.inplace import run_inplace
 
         return run_inplace(nproc, target, collective_timeout=inplace, replacements=max_restarts)
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    _quiet_agent_warnings()
     args = torchrun.parse_args(torchrun_args(launch, nproc, max_restarts) + target)
     try:
         torchrun.run(args)
     except ChildFailedError as err:
         print(describe_failure(err), file=sys.stderr, flush=True)
         return 1
+    except SignalException as err:  # the agent has passed the signal on and reaped every worker
+        print(lifeline.stopped_line(err.sigval, nproc), file=sys.stderr, flush=True)
+        return lifeline.exit_code(err.sigval)
     return 0

@@ -19,7 +19,7 @@ import time
 
 import torch.distributed as dist
 
-from gradmesh import env
+from gradmesh import env, lifeline
 from gradmesh.fault.inplace import joining_key, publish_members
 
 
@@ -48,7 +48,10 @@ class _Launcher:
 
     def _spawn(self, identity: int, local_rank: int, join: bool = False) -> None:
         child_env = dict(self.env, RANK=str(identity), LOCAL_RANK=str(local_rank), GRADMESH_JOIN="1" if join else "0")
-        self.workers[identity], self.local_rank[identity] = subprocess.Popen([sys.executable, *self.target], env=child_env), local_rank
+        # A session of its own, as under torch elastic: the terminal's Ctrl-C reaches the launcher,
+        # which stops the workers, rather than every worker at once (a lost worker to replace).
+        worker = subprocess.Popen([sys.executable, *self.target], env=child_env, start_new_session=True)
+        self.workers[identity], self.local_rank[identity] = worker, local_rank
 
     def _lost(self, identity: int, code: int) -> set[int]:
         """Publish the survivors; start a replacement if any are left. The workers started."""
@@ -98,16 +101,29 @@ class _Launcher:
             return 1
         return 0
 
-    def terminate(self) -> None:
-        for worker in self.workers.values():
-            worker.terminate()
+    def stop(self, signum: int) -> int:
+        """Pass the signal on, give the workers a grace period, then SIGKILL; how many were running."""
+        running = [w for w in self.workers.values() if w.poll() is None]
+        for worker in running:
+            worker.send_signal(signum)
+        deadline = time.monotonic() + lifeline.GRACE_S
+        for worker in running:
+            try:
+                worker.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        return len(running)
 
 
 def run_inplace(nproc: int, target: list[str], collective_timeout: float, replacements: int = 0) -> int:
     """Run `target` on nproc local workers; a failed worker is dropped (and replaced), not fatal."""
     launcher = _Launcher(nproc, target, collective_timeout, replacements)
-    try:
-        return launcher.run()
-    except KeyboardInterrupt:
-        launcher.terminate()
-        raise
+    with lifeline.stop_on_signals():
+        try:
+            return launcher.run()
+        except lifeline.Stopped as stop:
+            lifeline.ignore_stop_signals()  # a second Ctrl-C must not abandon the workers half-stopped
+            stopped = launcher.stop(stop.signum)
+            print(lifeline.stopped_line(stop.signum, stopped), file=sys.stderr, flush=True)
+            return lifeline.exit_code(stop.signum)
