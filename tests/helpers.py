@@ -1,10 +1,15 @@
 """Shared test helpers: run the real CLI in a subprocess and compare weights."""
 
+import atexit
+import itertools
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -17,10 +22,60 @@ TINY = ["--set", "model.n_layer=2", "--set", "model.n_head=2", "--set", "model.n
         "--set", "train.warmup_steps=2"]
 
 
-def gradmesh(*args: str, timeout: float = 240, cwd=None) -> subprocess.CompletedProcess:
+def python_m_gradmesh(*args: str, timeout: float = 240, cwd=None) -> subprocess.CompletedProcess:
+    """`python -m gradmesh ARGS` in a new interpreter: the entry point exactly as a user runs it."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "gradmesh", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=cwd)
+
+
+class _Zygote:
+    """Client of tests/zygote.py, started on first use and gone with the session."""
+
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="gradmesh-zygote-"))
+        self.path, self.calls = str(self.dir / "socket"), itertools.count()
+        self.server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")), self.path],
+                                       stdout=subprocess.PIPE, text=True)
+        assert self.server.stdout.readline().strip() == "ready", "the test zygote did not start"
+        atexit.register(self.close)
+
+    def run(self, argv: list[str], cwd, timeout: float) -> subprocess.CompletedProcess:
+        call = next(self.calls)
+        out, err = self.dir / f"{call}.out", self.dir / f"{call}.err"
+        request = {"argv": argv, "cwd": str(cwd or os.getcwd()), "out": str(out), "err": str(err),
+                   "env": dict(os.environ, PYTHONUNBUFFERED="1")}
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.connect(self.path)
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            replies = conn.makefile()
+            pid = json.loads(replies.readline())["pid"]
+            conn.settimeout(timeout)
+            try:
+                code = json.loads(replies.readline())["code"]
+            except (TimeoutError, socket.timeout):
+                os.kill(pid, signal.SIGKILL)  # its workers follow it (they die with their launcher)
+                raise subprocess.TimeoutExpired(["gradmesh", *argv], timeout) from None
+        result = subprocess.CompletedProcess(["gradmesh", *argv], code, out.read_text(), err.read_text())
+        out.unlink(), err.unlink()
+        return result
+
+    def close(self) -> None:
+        self.server.kill()
+        self.server.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_zygote: _Zygote | None = None
+
+
+def gradmesh(*args: str, timeout: float = 240, cwd=None) -> subprocess.CompletedProcess:
+    """`gradmesh ARGS` in a fresh process forked from a warm one (tests/zygote.py): the CLI's own
+    code in a process of its own, without a second of torch import per call."""
+    global _zygote
+    if _zygote is None:
+        _zygote = _Zygote()
+    return _zygote.run(list(args), cwd, timeout)
 
 
 def train(run_dir: Path, nproc: int, *extra: str, tiny: bool = True, check: bool = True,

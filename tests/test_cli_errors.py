@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from catalogue import copy_run
-from helpers import gradmesh
+from helpers import python_m_gradmesh as gradmesh
 from runs import half_run
 
 
