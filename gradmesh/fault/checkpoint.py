@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from gradmesh.files import fsync_dir
+
 STATE_FILE = "trainer_state.json"
 
 
@@ -102,14 +104,6 @@ def latest_good_checkpoint(run_dir: str | Path, warn=print) -> Path | None:
     return None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Checkpointer:
     """Writes checkpoints for one run; with `use_async`, training goes on during the write.
 
@@ -176,7 +170,7 @@ class Checkpointer:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._prune()
         dist.barrier(group=self.group)
 
