@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from gradmesh.errors import UsageError
 from gradmesh.fault import checkpoint
+from gradmesh.files import replacing
 
 
 def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
@@ -41,5 +42,6 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     weights = {key.removeprefix("model."): tensor.contiguous() for key, tensor in state.items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out), metadata={"gradmesh_checkpoint": str(path)})
+    with replacing(out) as tmp:
+        save_file(weights, str(tmp), metadata={"gradmesh_checkpoint": str(path)})
     return path, len(weights)
