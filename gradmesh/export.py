@@ -8,11 +8,12 @@ whatever strategy and world size wrote the checkpoint.
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from gradmesh.errors import UsageError
 from gradmesh.fault import checkpoint
+from gradmesh.fault import safeload
+from gradmesh.files import replacing
 
 
 def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
@@ -34,12 +35,13 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tup
     problem = checkpoint.verify(path)
     if problem:
         raise UsageError(f"checkpoint {path} is damaged ({problem}); choose another with --step")
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = safeload.read_metadata(path).state_dict_metadata
     state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
              for key, meta in metadata.items() if key.startswith("model.") and hasattr(meta, "size")}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    safeload.load(state, path, no_dist=True)
     weights = {key.removeprefix("model."): tensor.contiguous() for key, tensor in state.items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out), metadata={"gradmesh_checkpoint": str(path)})
+    with replacing(out) as tmp:
+        save_file(weights, str(tmp), metadata={"gradmesh_checkpoint": str(path)})
     return path, len(weights)

@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+from gradmesh import files
 from gradmesh.errors import UsageError
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors", "vocab.json", "pipeline.json", "faults.jsonl",
@@ -87,6 +88,7 @@ def clear_previous_run(run_dir: str | Path) -> list[Path]:
     run_dir = Path(run_dir)
     old = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
     old += [p for pattern in RANK_FILE_PATTERNS for p in run_dir.glob(pattern)]
+    old += list(run_dir.glob(f"{files.TMP_PREFIX}*"))  # atomic writes a crash cut short
     old += [run_dir / name for name in RUN_DIRS if (run_dir / name).exists()]
     for path in old:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -94,12 +96,12 @@ def clear_previous_run(run_dir: str | Path) -> list[Path]:
 
 
 def truncate_steps(path: Path, last_step: int) -> None:
-    """Drop the records of steps after `last_step` from a JSONL file (steps a restart redoes)."""
-    if not path.exists():
+    """Drop the records of steps after `last_step` from a JSONL file (steps a restart redoes), and
+    lines a crash tore. The file is replaced whole: a crash mid-rewrite leaves the old one."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
         return
-    import json
-
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
-    if len(kept) != len(lines):
-        path.write_text("".join(line + "\n" for line in kept))
+    kept = b"".join(line + b"\n" for line, row in files.jsonl_lines(data) if row.get("step", 0) <= last_step)
+    if kept != data:
+        files.atomic_write(path, kept)

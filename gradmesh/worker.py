@@ -15,6 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from gradmesh import config as configuration
 from gradmesh import env, workloads
 from gradmesh.fault import inplace
+from gradmesh.files import atomic_write
 from gradmesh.parallel.registry import mesh_for
 from gradmesh.topology import local_device
 from gradmesh.loop.trainer import Trainer, init
@@ -70,9 +71,9 @@ def train(cfg: configuration.Config) -> dict:
         sample = workload.finish(trainer.final_weights)
         extra = {"sample": sample} if sample else {}
         if "vocab" in workload.info:
-            (run_dir / "vocab.json").write_text(json.dumps(workload.info["vocab"]))
+            atomic_write(run_dir / "vocab.json", json.dumps(workload.info["vocab"]))
         summary.update(extra)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        atomic_write(run_dir / "summary.json", json.dumps(summary, indent=1))
         trainer.print_summary(sample)
     session.close()
     return summary

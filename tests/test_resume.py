@@ -32,17 +32,20 @@ def test_resume_at_another_world_size(catalogue, tmp_path):
     assert rel_l2(weights(split), weights(ddp_run(catalogue, 1, "adamw"))) <= 1e-5
 
 
-def test_half_written_checkpoint_is_ignored(catalogue, tmp_path):
+def test_a_crash_mid_write_leaves_nothing_that_stops_a_resume(catalogue, tmp_path):
     run = copy_run(half_run(catalogue, 1), tmp_path / "run")
     root = run / "checkpoints"
     assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-10", "step-5"]
-    # A crash mid-write leaves the temporary folder, or (worse) a folder missing its state file.
+    # A crash mid-write leaves the temporary folder, or (worse) a folder missing its state file,
+    # and a metrics line cut short.
     shutil.copytree(root / "step-10", root / ".tmp-step-15")
     shutil.copytree(root / "step-10", root / "step-20")
     (root / "step-20" / "trainer_state.json").unlink()
+    with open(run / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 11, "loss": 2.')
     assert checkpoint.latest_checkpoint(run).name == "step-10"
     train(run, 1, "--resume", "--max-steps", "12")
-    assert metrics(run)[-1]["step"] == 12
+    assert [m["step"] for m in metrics(run)] == list(range(1, 13))  # the torn line gone, not glued to step 11
 
 
 def test_keep_prunes_old_checkpoints(catalogue):

@@ -12,6 +12,7 @@ from gradmesh import rundir
 from gradmesh.runlock import RunLock
 from gradmesh.cli.options import add_launch_options, integer, launch_shape, number, resolve_config
 from gradmesh.errors import UsageError
+from gradmesh.files import atomic_write
 from gradmesh.mesh import DATA_AXES
 from gradmesh.parallel import registry
 from gradmesh.specs import check_ranks, parse_faults
@@ -209,7 +210,7 @@ def _start(cfg: configuration.Config, nproc: int, run_dir: Path) -> int:
     if not cfg.checkpoint.resume:
         _start_fresh(run_dir, cfg.run.overwrite, cfg.run.quiet)
     config_path = run_dir / "config.toml"
-    config_path.write_text(cfg.to_toml())
+    atomic_write(config_path, cfg.to_toml())
     restarts = cfg.fault.max_restarts if cfg.fault.recovery != "none" else 0
     return run_workers(cfg.launch, nproc, ["-m", "gradmesh.worker", str(config_path)], max_restarts=restarts,
                        inplace=(cfg.fault.step_timeout or INPLACE_COLLECTIVE_TIMEOUT) if cfg.fault.recovery == "inplace" else 0.0)

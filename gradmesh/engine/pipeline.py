@@ -13,6 +13,7 @@ from gradmesh.comm.p2p import watched_p2p
 from gradmesh.data import GlobalBatch, fetch
 from gradmesh.engine.base import Engine, StepProbe, to_device
 from gradmesh.errors import UsageError
+from gradmesh.files import atomic_write
 from gradmesh.monitor.progress import print_pipeline_plan
 from gradmesh.parallel.pipeline import PipelineOptions, padded_rows, pipeline_of
 
@@ -57,6 +58,6 @@ class PipelineEngine(Engine):
 
     def start(self, run_dir, show: bool) -> None:
         if run_dir and self.topology.is_main:
-            (run_dir / "pipeline.json").write_text(json.dumps(self.pipeline.plan, indent=1))
+            atomic_write(run_dir / "pipeline.json", json.dumps(self.pipeline.plan, indent=1))
         if show:
             print_pipeline_plan(self.pipeline.plan)

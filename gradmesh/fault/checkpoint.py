@@ -26,6 +26,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from gradmesh.fault import safeload
+from gradmesh.files import fsync_dir
+
 STATE_FILE = "trainer_state.json"
 
 
@@ -102,14 +105,6 @@ def latest_good_checkpoint(run_dir: str | Path, warn=print) -> Path | None:
     return None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Checkpointer:
     """Writes checkpoints for one run; with `use_async`, training goes on during the write.
 
@@ -176,7 +171,7 @@ class Checkpointer:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._prune()
         dist.barrier(group=self.group)
 
@@ -192,7 +187,7 @@ class Checkpointer:
         """Load model and optimizer state in place from `path`; returns its trainer state."""
         payload = target.checkpoint_state(for_load=True)
         try:
-            dcp.load(payload, checkpoint_id=str(path), process_group=self.group)
+            safeload.load(payload, path, process_group=self.group)
         except (Exception, CheckpointException) as exc:
             raise CheckpointError(describe_load_error(path, exc)) from exc
         target.install_checkpoint(payload)
@@ -210,9 +205,8 @@ def _root_cause(error: BaseException) -> str:
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape of the model tensors in a checkpoint (from DCP's metadata)."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
     return {key.removeprefix("model."): tuple(meta.size)
-            for key, meta in metadata.state_dict_metadata.items()
+            for key, meta in safeload.read_metadata(path).state_dict_metadata.items()
             if key.startswith("model.") and hasattr(meta, "size")}
 
 

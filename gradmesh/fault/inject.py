@@ -12,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 
+from gradmesh.files import read_jsonl
 from gradmesh.specs import Fault, check_ranks, parse_faults  # noqa: F401 (re-exported)
 
 class Injector:
@@ -19,10 +20,7 @@ class Injector:
 
     def __init__(self, faults: list[Fault], rank: int, run_dir: Path | None):
         self.log = Path(run_dir) / "faults.jsonl" if run_dir else None
-        fired = set()
-        if self.log and self.log.exists():
-            lines = [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
-            fired = {entry["fault"] for entry in lines if "fault" in entry}
+        fired = {entry["fault"] for entry in read_jsonl(self.log) if "fault" in entry} if self.log else set()
         self.faults = [f for f in faults if f.rank == rank and f.label not in fired]
         self.rank = rank
         self.slow_factor = max([f.factor for f in self.faults if f.kind == "slow"], default=1.0)

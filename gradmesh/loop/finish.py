@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from gradmesh.engine import peak_memory_bytes
+from gradmesh.files import atomic_write, replacing
 from gradmesh.loop.reporting import evaluate
 
 
@@ -39,7 +40,8 @@ def finish_run(trainer, start_step: int, wall: float) -> dict:
     if topo.is_main and trainer.run_dir:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(trainer.run_dir / "model.safetensors"))
-        (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        with replacing(trainer.run_dir / "model.safetensors") as tmp:
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
+        atomic_write(trainer.run_dir / "summary.json", json.dumps(summary, indent=1))
     trainer.monitor.close()
     return summary

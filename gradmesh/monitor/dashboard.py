@@ -26,6 +26,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from gradmesh.errors import UsageError
+from gradmesh.files import read_jsonl
 from gradmesh.monitor import runfiles
 
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
@@ -53,7 +54,7 @@ class RunState:
         generation, rows = self.metrics.read()
         run = {"name": self.run_dir.resolve().name, "path": str(self.run_dir), **runfiles.read_config(self.run_dir)}
         return {"rows": rows[after:after + MAX_ROWS], "total": len(rows), "generation": generation,
-                "alerts": runfiles.read_jsonl(self.run_dir / "alerts.jsonl"),
+                "alerts": read_jsonl(self.run_dir / "alerts.jsonl"),
                 "summary": runfiles.read_summary(self.run_dir),
                 "status": runfiles.status(self.run_dir), "run": run}
 

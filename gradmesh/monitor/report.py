@@ -14,6 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from gradmesh.errors import UsageError
+from gradmesh.files import atomic_write, read_jsonl
 from gradmesh.monitor import runfiles
 
 COLORS = {"data": "#8c6bb1", "forward": "#4c78a8", "backward": "#72b7b2", "comm": "#f58518",
@@ -114,7 +115,7 @@ def write_report(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise UsageError(f"{str(run_dir)!r} has no metrics.jsonl; is it a gradmesh run dir?")
-    rows = [r for r in runfiles.read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
     if not rows:
         raise UsageError(f"{str(run_dir / 'metrics.jsonl')!r} has no steps yet; report again once training has logged one")
     summary = runfiles.read_summary(run_dir)
@@ -130,7 +131,7 @@ def write_report(run_dir: str | Path) -> Path:
     peak = (summary or {}).get("peak_memory_bytes") or rows[-1].get("peak_memory_bytes") or []
     plot_memory(peak, rows[-1].get("model_state_bytes") or [], out / "memory.png")
     page = run_dir / "report.html"
-    page.write_text(_html(run_dir, rows, summary, means is not None, runfiles.read_jsonl(run_dir / "alerts.jsonl")))
+    atomic_write(page, _html(run_dir, rows, summary, means is not None, read_jsonl(run_dir / "alerts.jsonl")))
     return page
 
 

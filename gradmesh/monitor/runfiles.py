@@ -1,9 +1,9 @@
 """Reading a run directory while it is being written: the dashboard and the report share this.
 
 Rank 0 appends `metrics.jsonl` in groups while training runs, so a reader can see a half-written
-last line; it is left for the next read, never parsed. A restart drops the steps it redoes
-(`rundir.truncate_steps` rewrites the file in place), so the tail reader notices when the lines
-it already read have changed and starts over. `summary.json` appears only when a run finishes.
+last line; it is left for the next read, never parsed (`gradmesh.files`). A restart drops the
+steps it redoes (`rundir.truncate_steps` replaces the file), so the tail reader notices when the
+lines it already read have changed and starts over. `summary.json` appears only when a run finishes.
 """
 
 import json
@@ -13,28 +13,9 @@ import threading
 import tomllib
 from pathlib import Path
 
+from gradmesh.files import parse_jsonl
+
 PHASES = ("data", "forward", "backward", "comm", "optimizer", "idle")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Every complete, well-formed line of a JSONL file; [] when it does not exist yet."""
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    return _parse(text[: text.rfind(b"\n") + 1])
-
-
-def _parse(chunk: bytes) -> list[dict]:
-    rows = []
-    for line in chunk.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line torn by a crash mid-write; the rest of the file is still good
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def read_summary(run_dir: Path) -> dict | None:
@@ -94,7 +75,7 @@ class MetricsTail:
                 start = complete.rfind(b"\n", 0, len(complete) - 1) + 1
                 self._last_line = (self._offset + start, complete[start:])
                 self._offset += len(complete)
-                self.rows.extend(_parse(complete))
+                self.rows.extend(parse_jsonl(complete))
             return self.generation, self.rows
 
     def _still_same(self, handle) -> bool:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from gradmesh.files import atomic_write
+
 TRACKS = ("steps", "phases", "collectives")
 
 
@@ -29,4 +31,4 @@ def gather_and_write(events: list[dict], rank: int, world_size: int, group, path
             trace.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": track}})
         for event in rank_events:
             trace.append(dict(event, pid=r, tid=TRACKS.index(event["tid"]), ts=event["ts"] - start))
-    path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+    atomic_write(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))

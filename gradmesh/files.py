@@ -1,0 +1,81 @@
+"""Run files that survive a crash: JSONL read past torn lines, whole files replaced atomically.
+
+A process killed mid-append leaves a last line without its newline (and, once appending goes
+on, a garbled line in the middle); readers skip such lines instead of failing, since every
+other line is still good. A file written whole (summary.json, config.toml, model.safetensors)
+goes to a temporary name in its own folder, is synced and then renamed over the old one, so a
+reader or a crash sees the old file or the new one, never part of one (DESIGN.md contract 9).
+
+No torch here: the CLI, the run directory and the monitor all import it.
+"""
+
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TMP_PREFIX = ".gradmesh-tmp-"
+"""Temporary files start so, under rundir.OWN_PREFIX: a crash's leftovers are known as gradmesh's."""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every complete, well-formed line of a JSONL file; [] when it does not exist yet."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return []
+    return parse_jsonl(data)
+
+
+def parse_jsonl(data: bytes) -> list[dict]:
+    return [row for _, row in jsonl_lines(data)]
+
+
+def jsonl_lines(data: bytes) -> Iterator[tuple[bytes, dict]]:
+    """(line, object) for each complete line holding a JSON object. Bytes after the last newline
+    are a line still being written, or torn by a crash: never parsed."""
+    for line in data[: data.rfind(b"\n") + 1].splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # torn by a crash mid-write, then appended to; the other lines are still good
+        if isinstance(row, dict):
+            yield line, row
+
+
+@contextmanager
+def replacing(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside `path` for a writer that wants a path of its own (safetensors);
+    when the block ends without an error it is synced and renamed to `path`. On an error `path`
+    is left as it was and the temporary file removed."""
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        yield tmp
+        _fsync(tmp)  # the data is on disk before the rename makes it the file
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def atomic_write(path: str | Path, data: bytes | str) -> None:
+    """Write a whole file (text as UTF-8) so that a crash leaves the old one or the new one."""
+    with replacing(path) as tmp, open(tmp, "xb") as handle:
+        handle.write(data.encode() if isinstance(data, str) else data)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` survive a power cut, not only a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
