@@ -33,8 +33,7 @@ def placement() -> Placement:
 
 def default_master(port: int) -> None:
     """A plain `python script.py` is rank 0 of 1 and hosts its own store on loopback."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
 
 
 def master() -> tuple[str, int] | None:
@@ -93,3 +92,10 @@ def mark_launcher() -> None:
 def launcher_pid() -> int | None:
     text = os.environ.get("GRADMESH_LAUNCHER_PID", "")
     return int(text) if text.isascii() and text.isdigit() else None
+
+
+def keep_on_loopback(interface: str) -> None:
+    """A one-machine job's gloo and NCCL sockets on the loopback interface, not on whatever
+    address the host name resolves to; a user's choice of interface wins."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)

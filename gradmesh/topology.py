@@ -8,7 +8,6 @@ group it runs on (`Topology.group`): "world", a mesh axis, or a side group of it
 
 import math
 import os
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from gradmesh import env
+from gradmesh import env, stores
 from gradmesh.errors import UsageError
 from gradmesh.mesh import DATA_AXES, MESH_AXES
 
@@ -100,6 +99,8 @@ class Topology:
     mesh: DeviceMesh | None = None
     retired: list = field(default_factory=list, repr=False)
     side_groups: dict = field(default_factory=dict, repr=False)
+    store: "dist.Store | None" = field(default=None, repr=False)
+    """A plain script's own store (on loopback); launched workers use their launcher's."""
     role: str = "worker"
     """What this rank does in the job; every rank of a collective strategy is a worker."""
 
@@ -151,12 +152,14 @@ class Topology:
     @classmethod
     def from_env(cls, device: str = "auto", mesh_shape: dict[str, int] | None = None) -> "Topology":
         """Read the torchrun/gradmesh-run environment; a plain `python script.py` is rank 0 of 1."""
+        store = None
         if not env.launched():
-            env.default_master(_free_port())
+            store = stores.loopback_store()
+            env.default_master(store.port)
         where = env.placement()
         return cls(rank=where.rank, world_size=where.world_size, local_rank=where.local_rank,
                    local_world_size=where.local_world_size, device_type=resolve_device(device),
-                   mesh_shape=dict(mesh_shape or {}))
+                   mesh_shape=dict(mesh_shape or {}), store=store)
 
     def start(self, generation: int = 0) -> "Topology":
         """Create the process group and the named device mesh (world size 1 included).
@@ -171,7 +174,7 @@ class Topology:
                 rank=self.rank,
                 world_size=self.world_size,
                 device_id=self.device if self.device_type == "cuda" else None,
-                store=_attempt_store(generation),
+                store=self.store or _attempt_store(generation),
                 timeout=_collective_timeout(),
             )
         names = tuple(self.mesh_shape)
@@ -219,9 +222,3 @@ class Topology:
             dist.barrier(group=self.group("world"))
             dist.destroy_process_group()
         self.mesh = None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -111,3 +111,33 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def listening_sockets(pids=None) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state, from /proc/net/tcp and tcp6; with
+    `pids`, only those the processes hold open."""
+    import ipaddress
+
+    inodes = None
+    if pids is not None:
+        inodes = set()
+        for pid in pids:
+            for fd in Path(f"/proc/{pid}/fd").glob("*"):
+                try:
+                    link = os.readlink(fd)
+                except OSError:
+                    continue  # closed while we looked
+                if link.startswith("socket:["):
+                    inodes.add(link[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or (inodes is not None and fields[9] not in inodes):
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            # the kernel prints each 32-bit word of the address in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return found

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, free_port, gradmesh, metrics
+from helpers import TINY, free_port, gradmesh, listening_sockets, metrics
 STEPS, WORLD = 30, 2
 STRAGGLER_FROM = 5
 STRAGGLER_MESSAGE = "rank 1 is a straggler (compute): 60% slower than the other ranks since step 5"
@@ -134,6 +134,15 @@ def test_monitor_usage_errors(cli, tmp_path):
     assert_one_line_error(cli("monitor", str(tmp_path), "--port", "70000"), "--port", "70000")
 
 
+def test_monitor_warns_when_it_listens_beyond_this_machine(cli, tmp_path, monkeypatch):
+    import gradmesh.monitor.dashboard as dashboard
+
+    monkeypatch.setattr(dashboard, "serve", lambda *args, **kwargs: None)
+    assert cli("monitor", str(tmp_path)).stderr == ""
+    warned = cli("monitor", str(tmp_path), "--host", "0.0.0.0").stderr.strip().splitlines()
+    assert len(warned) == 1 and "warning: --host 0.0.0.0" in warned[0] and "no authentication" in warned[0]
+
+
 # --- the dashboard, served by the real CLI -----------------------------------------------------
 
 @contextlib.contextmanager
@@ -189,6 +198,12 @@ def test_api_rows_after_n(server, straggler_run):
     with pytest.raises(urllib.error.HTTPError) as bad:
         get(server + "api/rows?after=-1")
     assert bad.value.code == 400
+    port = int(server.rsplit(":", 1)[1].strip("/"))
+    assert [address for address, bound in listening_sockets() if bound == port] == ["127.0.0.1"]
+    rebound = urllib.request.Request(server + "api/rows?after=0", headers={"Host": f"attacker.example:{port}"})
+    with pytest.raises(urllib.error.HTTPError) as refused:  # DNS rebinding: a foreign name for 127.0.0.1
+        urllib.request.urlopen(rebound, timeout=30)
+    assert refused.value.code == 403
     kind, script = get(server + "static/plotly.min.js")
     assert kind.startswith("text/javascript") and len(script) > 1_000_000
     assert b'id="breakdown"' in get(server)[1]

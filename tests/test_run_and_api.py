@@ -57,3 +57,18 @@ def test_python_api_example_matches_single_process_with_an_empty_share(tmp_path)
     assert double.returncode == 0, double.stderr
     assert "final loss" in double.stdout
     assert rel_l2(weights(tmp_path / "two"), weights(tmp_path / "one")) <= 1e-5
+
+
+def test_a_plain_scripts_own_store_listens_on_loopback_only(monkeypatch):
+    """`python script.py` with gradmesh's API hosts its store itself: on 127.0.0.1, not on `::`."""
+    import os
+
+    from gradmesh.topology import Topology
+    from helpers import listening_sockets
+
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    topology = Topology.from_env("cpu")
+    port = topology.store.port
+    assert [address for address, bound in listening_sockets([os.getpid()]) if bound == port] == ["127.0.0.1"]
+    assert os.environ["MASTER_PORT"] == str(port)

@@ -1,7 +1,9 @@
-"""Signals stop the whole job cleanly; no worker outlives its launcher (issue 13, item 6).
+"""Signals stop the whole job cleanly; no worker outlives its launcher (issue 13, item 6); a
+one-machine job listens on loopback only (item 4).
 
 Each case starts a real job, waits until its workers train (or, for a plain script, say they
-are ready), signals the launcher and then looks in /proc for the workers it had started."""
+are ready), lists the sockets its processes listen on, signals the launcher and then looks in
+/proc for the workers it had started."""
 
 import os
 import signal
@@ -12,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers import free_port, listening_sockets
 from test_cli_errors import assert_usage_error
 
-LONG = ["--nproc", "2", "--model", "mlp-digits", "--max-steps", "1000000", "--quiet", "--no-monitor"]
+LONG = ["--nproc", "2", "--model", "mlp-digits", "--max-steps", "1000000", "--quiet"]
 SCRIPT = """
 import sys, time
 import torch.distributed as dist
@@ -69,14 +72,24 @@ def assert_stopped(launcher: subprocess.Popen, workers: list[int], signum: int) 
     assert not alive(workers)
 
 
+def assert_loopback_only(launcher: subprocess.Popen, workers: list[int], at_least: int) -> list[tuple[str, int]]:
+    """Every listening socket of the job's processes is on 127.0.0.1 (torch's stores would bind `::`)."""
+    listening = listening_sockets([launcher.pid, *workers])
+    assert len(listening) >= at_least and {address for address, _ in listening} == {"127.0.0.1"}, listening
+    return listening
+
+
 def trains(run_dir: Path):
     return lambda: (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
 
 
 def test_sigterm_stops_every_worker_and_the_run_dir_stays_locked_until_then(tmp_path, cli):
-    run_dir = tmp_path / "run"
-    launcher, workers = start(["train", "--run-dir", str(run_dir), *LONG], trains(run_dir))
+    run_dir, prometheus = tmp_path / "run", free_port()
+    serving = lambda: trains(run_dir)() and ("127.0.0.1", prometheus) in listening_sockets()  # noqa: E731
+    launcher, workers = start(["train", "--run-dir", str(run_dir), "--prometheus-port", str(prometheus), *LONG], serving)
     try:
+        # the agent's rendezvous store and the workers' store, gloo's listeners, Prometheus
+        assert ("127.0.0.1", prometheus) in assert_loopback_only(launcher, workers, at_least=5)
         assert_usage_error(cli("train", "--run-dir", str(run_dir), "--overwrite", *LONG), "in use", f"pid {launcher.pid}")
         launcher.send_signal(signal.SIGTERM)
         assert_stopped(launcher, workers, signal.SIGTERM)
@@ -104,6 +117,7 @@ def test_a_killed_launcher_leaves_no_worker_alive(tmp_path):
     Under --recovery inplace, whose launcher would otherwise replace workers that die."""
     run_dir = tmp_path / "run"
     launcher, workers = start(["train", "--run-dir", str(run_dir), "--recovery", "inplace", *LONG], trains(run_dir))
+    assert_loopback_only(launcher, workers, at_least=3)  # the in-place launcher's store, gloo's listeners
     launcher.kill()
     launcher.wait()
     deadline = time.monotonic() + 5

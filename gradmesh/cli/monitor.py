@@ -1,6 +1,7 @@
 """`gradmesh monitor` (a live dashboard) and `gradmesh report` (static HTML): both read a run directory."""
 
 import argparse
+import sys
 from pathlib import Path
 
 from gradmesh.cli.options import port_type
@@ -34,6 +35,9 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from gradmesh.monitor.dashboard import serve
 
     run_dir = _existing_run_dir(args.run_dir)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"gradmesh monitor: warning: --host {args.host} lets anyone who can reach this machine read the "
+              "dashboard (no authentication); the default 127.0.0.1 keeps it to this machine", file=sys.stderr, flush=True)
     serve(run_dir, args.host, args.port,
           on_ready=lambda url: print(f"gradmesh monitor: {run_dir} at {url} (Ctrl-C to stop)", flush=True))
     return 0

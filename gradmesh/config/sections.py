@@ -235,7 +235,7 @@ class LaunchConfig:
     rdzv_endpoint: str = ""
     """host:port of the rendezvous (multi-node)."""
     rdzv_id: str = "gradmesh"
-    """Job id shared by all nodes."""
+    """Job id shared by all nodes (give each job its own). One machine: a random id per run."""
     rdzv_backend: str = ""
     """c10d or static; empty picks static when node_rank is given, else c10d."""
     device: str = "auto"

@@ -54,8 +54,28 @@ def publish_members(store, members: list[int]) -> int:
     return generation
 
 
+BOUND = 2**31
+"""Identities and generation numbers in the store stay below this (steps below 2^63)."""
+
+
+class BadStoreValue(RuntimeError):
+    """The store held something no gradmesh process writes: refused, never acted on."""
+
+
+def whole(raw: bytes | str, what: str, bound: int = BOUND) -> int:
+    """A whole number read from the job's store, checked before it picks ranks or steps."""
+    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw
+    if not (text.isascii() and text.isdigit() and int(text) < bound):
+        raise BadStoreValue(f"in-place recovery's store holds {text[:40]!r} as {what}; expected a whole number below {bound}")
+    return int(text)
+
+
 def members_of(store, generation: int) -> list[int]:
-    return [int(r) for r in store.get(_members_key(generation)).decode().split(",") if r]
+    raw = store.get(_members_key(generation)).decode("ascii", "replace")
+    members = [whole(r, f"a member of generation {generation}") for r in raw.split(",") if r]
+    if len(set(members)) != len(members):
+        raise BadStoreValue(f"in-place recovery's store lists a member twice in generation {generation}: {raw[:80]!r}")
+    return members
 
 
 enabled = env.inplace_enabled
@@ -94,7 +114,7 @@ class Membership:
     def _watch(self, store, poll: float = 0.02) -> None:
         while True:
             try:
-                newest = int(store.get(GENERATION))
+                newest = whole(store.get(GENERATION), "the newest generation")
                 if newest > self.generation and newest > self.lost_at:
                     with self.lock:
                         current = set(self.members)
@@ -142,7 +162,7 @@ class Membership:
     # -- forming the next group ---------------------------------------------------------------
 
     def newest(self) -> int:
-        return int(self.store.get(GENERATION))
+        return whole(self.store.get(GENERATION), "the newest generation")
 
     def next(self, timeout: float = 60.0) -> list[int]:
         """Block until a generation newer than this worker's appears; enter it, return its members."""
@@ -194,7 +214,8 @@ class Membership:
         newest = self.newest()
         if newest <= self.generation or not self._is_join(newest):
             return False  # a loss is handled by the failed collective, not here
-        agreed = int(self.store.compare_set(f"gradmesh/inplace/switch/{newest}", "", str(step + 2)))
+        agreed = whole(self.store.compare_set(f"gradmesh/inplace/switch/{newest}", "", str(step + 2)),
+                       "the step to admit at", bound=2**63)
         if agreed > last_step:
             return False  # the run ends first: the newcomer is told so when it does
         return agreed == step
@@ -208,7 +229,7 @@ class Membership:
         self.store.set(joining_key(self.identity), "1")
         while True:
             if self.store.check([_admitted_key(self.identity)]):
-                generation = int(self.store.get(_admitted_key(self.identity)))
+                generation = whole(self.store.get(_admitted_key(self.identity)), "the admitting generation")
                 if generation > self.generation:
                     return self.enter(generation)
             if self.store.check([FINISHED]):

@@ -6,27 +6,37 @@ tear-down on failure are torch's. What it adds is the choice of thread count per
 short, clear report when a worker fails.
 """
 
+import contextlib
 import logging
 import sys
+import uuid
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from gradmesh import env, lifeline
+from gradmesh import env, lifeline, stores
 from gradmesh.config import LaunchConfig
 from gradmesh.fault.watchdog import EXIT_HANG
 from gradmesh.topology import threads_per_worker
+
+
+def single_machine(launch: LaunchConfig) -> bool:
+    return launch.nnodes == 1 and not launch.rdzv_endpoint
 
 
 def torchrun_args(launch: LaunchConfig, nproc: int, max_restarts: int = 0) -> list[str]:
     args = ["--nproc-per-node", str(nproc), "--nnodes", str(launch.nnodes),
             "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
             "--shutdown-timeout", str(lifeline.GRACE_S)]
-    if launch.nnodes == 1 and not launch.rdzv_endpoint:
-        return args + ["--standalone"]
+    if single_machine(launch):
+        # torchrun's --standalone, with the workers' store address on loopback too (--local-addr):
+        # run_workers makes every store server listen there only.
+        return args + ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{stores.LOOPBACK}:0",
+                       "--rdzv-id", uuid.uuid4().hex, "--local-addr", stores.LOOPBACK]
     backend = launch.rdzv_backend or ("static" if launch.node_rank >= 0 else "c10d")
-    args += ["--rdzv-backend", backend, "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id]
+    args += ["--rdzv-backend", backend, "--rdzv-endpoint", launch.rdzv_endpoint,
+             "--rdzv-id", launch.rdzv_id]
     if launch.node_rank >= 0:
         args += ["--node-rank", str(launch.node_rank)]
     return args
@@ -60,6 +70,8 @@ def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restart
     # fewer workers than cores run here. A user's OMP_NUM_THREADS wins.
     env.set_omp_threads(threads_per_worker(nproc))
     env.mark_launcher()
+    if single_machine(launch):
+        env.keep_on_loopback(stores.loopback_interface())
     if inplace:
         from gradmesh.launch.inplace import run_inplace
 
@@ -67,7 +79,8 @@ def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restart
     _quiet_agent_warnings()
     args = torchrun.parse_args(torchrun_args(launch, nproc, max_restarts) + target)
     try:
-        torchrun.run(args)
+        with stores.loopback_servers() if single_machine(launch) else contextlib.nullcontext():
+            torchrun.run(args)
     except ChildFailedError as err:
         print(describe_failure(err), file=sys.stderr, flush=True)
         return 1

@@ -17,9 +17,7 @@ import subprocess
 import sys
 import time
 
-import torch.distributed as dist
-
-from gradmesh import env, lifeline
+from gradmesh import env, lifeline, stores
 from gradmesh.fault.inplace import joining_key, publish_members
 
 
@@ -31,7 +29,7 @@ def _describe(identity: int, code: int) -> str:
 
 class _Launcher:
     def __init__(self, nproc: int, target: list[str], collective_timeout: float, replacements: int):
-        self.store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
+        self.store = stores.loopback_store()
         self.members = list(range(nproc))
         publish_members(self.store, self.members)
         self.target, self.replacements = target, replacements

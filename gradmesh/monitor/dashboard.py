@@ -18,8 +18,10 @@ At most MAX_ROWS rows go in one answer; the page asks again at once while it has
 """
 
 import importlib.util
+import ipaddress
 import json
 import math
+import socket
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -70,9 +72,30 @@ def _finite(value):
     return value
 
 
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
+def host_accepted(header: str | None) -> bool:
+    """The Host header names this machine: an IP address, localhost or its own host name.
+
+    A web page elsewhere can point a domain of its own at 127.0.0.1 (DNS rebinding) and read the
+    dashboard through the visitor's browser; its requests carry that domain as Host."""
+    if header is None:
+        return True  # HTTP/1.0 clients (curl -0, scripts); a browser always sends one
+    name = urlsplit(f"//{header}").hostname or ""
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return name in LOOPBACK_NAMES or name in {socket.gethostname().lower(), socket.getfqdn().lower()}
+
+
 def make_handler(state: RunState, page: bytes, script: bytes) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
+            if not host_accepted(self.headers.get("Host")):
+                self.send_error(HTTPStatus.FORBIDDEN, "Host header not accepted; use this machine's address or name")
+                return
             url = urlsplit(self.path)
             if url.path in ("/", "/index.html"):
                 self._send(page, "text/html; charset=utf-8", cache=False)
