@@ -12,8 +12,8 @@ from gradmesh.errors import UsageError
 
 KINDS = {"kill": {"rank", "step", "at"}, "hang": {"rank", "step"}, "slow": {"rank", "factor", "delay"},
          "diverge": {"rank", "step"}}
-FORMS = ("kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, slow:rank=R,factor=F|delay=SECONDS "
-         "or diverge:rank=R,step=N")
+FORMS = ("kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, slow:rank=R,factor=F|delay=SECONDS, "
+         "diverge:rank=R,step=N or chaos:faults=N,seed=S[,kinds=kill+hang+slow][,pace=SECONDS]")
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,25 @@ class Fault:
     factor: float = 1.0
     delay: float = 0.0
     """slow only: seconds added to every step (factor multiplies the step's own time)."""
+    steps: int = 0
+    """slow only: for this many steps from `step` (0: the whole run)."""
+    chaos: int = -1
+    """A chaos fault's number (>= 0): it hits whichever rank is `rank` modulo the world size when
+    its step comes (under in-place recovery ranks change hands), not the worker started as `rank`."""
 
     @property
     def label(self) -> str:
+        if self.chaos >= 0:
+            window = f",steps={self.steps}" if self.kind == "slow" else ""
+            return f"chaos#{self.chaos}:{self.kind}@step={self.step}{window}" + (",at=checkpoint" if self.at == "checkpoint" else "")
         if self.kind == "slow":
             return f"slow:rank={self.rank},factor={self.factor:g}" + (f",delay={self.delay:g}" if self.delay else "")
         at = ",at=checkpoint" if self.at == "checkpoint" else ""
         return f"{self.kind}:rank={self.rank},step={self.step}{at}"
+
+
+def _is_chaos(text: str) -> bool:
+    return text.strip().startswith("chaos:")
 
 
 def _parse_one(text: str) -> Fault:
@@ -53,7 +65,8 @@ def _parse_one(text: str) -> Fault:
 
 
 def parse_faults(text: str) -> list[Fault]:
-    return [_parse_one(part) for part in text.split(";") if part.strip()]
+    """The explicit faults (a chaos spec is read by `parse_chaos`)."""
+    return [_parse_one(part) for part in text.split(";") if part.strip() and not _is_chaos(part)]
 
 
 def check_ranks(faults: list[Fault], world_size: int) -> None:

@@ -15,7 +15,8 @@ from gradmesh.errors import UsageError
 from gradmesh.files import atomic_write
 from gradmesh.mesh import DATA_AXES
 from gradmesh.parallel import registry
-from gradmesh.specs import check_ranks, parse_faults
+from gradmesh.chaos import check_chaos, parse_inject
+from gradmesh.specs import check_ranks
 
 RESTART_CHECKPOINT_EVERY = 10
 INPLACE_COLLECTIVE_TIMEOUT = 10.0
@@ -112,7 +113,9 @@ def check_train(cfg: configuration.Config, nproc: int) -> Path | None:
 
     world = nproc * cfg.launch.nnodes
     plan = _check_parallelism(cfg, nproc, world)
-    check_ranks(parse_faults(cfg.fault.inject), world)
+    faults, chaos = parse_inject(cfg.fault.inject)
+    check_ranks(faults, world)
+    check_chaos(chaos, cfg.train.max_steps, cfg.fault.recovery, cfg.fault.step_timeout)
     _check_recovery(cfg, plan)
     workloads.check_inputs(cfg)
     if cfg.monitor.prometheus_port:

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import tomli_w
 
+from gradmesh.chaos import parse_inject
 from gradmesh.config.checks import finite as _finite
 from gradmesh.config.checks import one_of as _one_of
 from gradmesh.config.checks import positive as _positive
 from gradmesh.errors import UsageError
-from gradmesh.specs import parse_faults
 
 MODELS = ("gpt-char", "mlp-digits")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -186,7 +186,7 @@ class FaultConfig:
         _one_of("fault", "recovery", self.recovery, RECOVERY)
         _positive("fault", "max_restarts", self.max_restarts, allow_zero=True)
         _positive("fault", "step_timeout", self.step_timeout, allow_zero=True)
-        parse_faults(self.inject)
+        parse_inject(self.inject)
 
 
 @dataclass(kw_only=True)

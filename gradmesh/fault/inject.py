@@ -16,15 +16,28 @@ from gradmesh.files import read_jsonl
 from gradmesh.specs import Fault, check_ranks, parse_faults  # noqa: F401 (re-exported)
 
 class Injector:
-    """This rank's faults; `before_step` and `at_checkpoint` fire them."""
+    """This rank's faults; `before_step` and `at_checkpoint` fire them.
 
-    def __init__(self, faults: list[Fault], rank: int, run_dir: Path | None):
+    `position()` gives (rank, world size) now — chaos faults aim at a rank, not at a worker.
+    `spare_last`: in-place recovery, where the last worker standing must not be killed."""
+
+    def __init__(self, faults: list[Fault], identity: int, run_dir: Path | None, position=None,
+                 pace: float = 0.0, spare_last: bool = False):
         self.log = Path(run_dir) / "faults.jsonl" if run_dir else None
-        fired = {entry["fault"] for entry in read_jsonl(self.log) if "fault" in entry} if self.log else set()
-        self.faults = [f for f in faults if f.rank == rank and f.label not in fired]
-        self.rank = rank
-        self.slow_factor = max([f.factor for f in self.faults if f.kind == "slow"], default=1.0)
-        self.slow_delay = max([f.delay for f in self.faults if f.kind == "slow"], default=0.0)
+        fired = self._fired()
+        self.faults = [f for f in faults if (f.chaos >= 0 or f.rank == identity) and f.label not in fired]
+        self.rank, self.pace, self.spare_last = identity, pace, spare_last
+        self.position = position or (lambda: (identity, identity + 1))
+        whole_run = [f for f in self.faults if f.kind == "slow" and f.chaos < 0]
+        self.slow_factor = max([f.factor for f in whole_run], default=1.0)
+        self.slow_delay = max([f.delay for f in whole_run], default=0.0)
+        self.step = 0
+
+    def _fired(self) -> set[str]:
+        return {entry["fault"] for entry in self._entries()}
+
+    def _entries(self) -> list[dict]:
+        return [entry for entry in read_jsonl(self.log) if "fault" in entry] if self.log else []
 
     def _record(self, fault: Fault, step: int) -> None:
         if self.log:
@@ -34,6 +47,27 @@ class Injector:
                 os.fsync(f.fileno())
         print(f"gradmesh: injecting {fault.label}", flush=True)
 
+    def _due_chaos(self, step: int, at: str) -> Fault | None:
+        """The earliest chaos fault due by `step` that has not fired, when it is aimed at this rank.
+
+        At most one fires per step: none once the log shows one fired at this step (a rank reading
+        the log before that entry was written sees the same fault first, aimed at another rank).
+        Under in-place recovery a kill or hang while one worker is left is held back until a
+        replacement has joined (the last worker's death would end the run)."""
+        if not any(f.chaos >= 0 for f in self.faults):
+            return None
+        rank, world = self.position()
+        entries = self._entries()
+        if (self.spare_last and world < 2) or any(e["fault"].startswith("chaos#") and e.get("step") == step for e in entries):
+            return None
+        fired = {entry["fault"] for entry in entries}
+        due = [f for f in self.faults if f.chaos >= 0 and f.kind != "slow" and f.step <= step and f.label not in fired]
+        first = min(due, key=lambda f: f.step, default=None)
+        if first is None or first.rank % world != rank:
+            return None
+        when = first.at if first.step == step else "step"  # held back past its checkpoint: before a step
+        return first if when == at else None
+
     def _fire(self, fault: Fault, step: int) -> None:
         self._record(fault, step)
         if fault.kind == "kill":
@@ -42,14 +76,19 @@ class Injector:
             time.sleep(3600)
 
     def before_step(self, step: int) -> None:
+        self.step = step
         for fault in self.faults:
-            if fault.kind in ("kill", "hang") and fault.at == "step" and fault.step == step:
+            if fault.kind in ("kill", "hang") and fault.chaos < 0 and fault.at == "step" and fault.step == step:
                 self._fire(fault, step)
+        if (chaos := self._due_chaos(step, "step")) is not None:
+            self._fire(chaos, step)
 
     def at_checkpoint(self, step: int) -> None:
         for fault in self.faults:
-            if fault.kind == "kill" and fault.at == "checkpoint" and fault.step == step:
+            if fault.kind == "kill" and fault.chaos < 0 and fault.at == "checkpoint" and fault.step == step:
                 self._fire(fault, step)
+        if (chaos := self._due_chaos(step, "checkpoint")) is not None:
+            self._fire(chaos, step)
 
     def after_step(self, step: int, model) -> None:
         """diverge: nudge this replica's first parameter after the step (the replica check must see it)."""
@@ -63,8 +102,19 @@ class Injector:
 
     def slow_down(self, elapsed: float) -> float:
         """A straggler: `factor` times the step's own time (`elapsed`, measured without the
-        injected delay, so it does not grow step on step), plus `delay` seconds; returns the delay."""
-        seconds = (self.slow_factor - 1) * elapsed + self.slow_delay
+        injected delay, so it does not grow step on step), plus `delay` seconds, plus a chaos
+        slow-down and the chaos pace; returns the delay."""
+        seconds = (self.slow_factor - 1) * elapsed + self.slow_delay + self.pace + self._chaos_delay()
         if seconds > 0:
             time.sleep(seconds)
         return seconds
+
+    def _chaos_delay(self) -> float:
+        """A chaos slow-down's delay while it lasts on the rank it aims at (logged when it starts)."""
+        rank, world = self.position()
+        active = [f for f in self.faults if f.kind == "slow" and f.chaos >= 0
+                  and f.step <= self.step < f.step + f.steps and f.rank % world == rank]
+        for fault in active:
+            if fault.step == self.step and fault.label not in self._fired():
+                self._record(fault, self.step)
+        return max([f.delay for f in active], default=0.0)

@@ -59,6 +59,9 @@ class _Launcher:
             self.members.remove(identity)
             publish_members(self.store, self.members)
         carry = f"ranks {', '.join(map(str, self.members))} carry on in place" if self.members else "no worker is left"
+        if not self.members:  # nobody is left to admit a replacement (or hand it the state)
+            for waiting in self.waiting:
+                self.workers[waiting].terminate()
         replacing, started = "", set()
         if self.replacements > 0 and self.members:
             self.replacements -= 1

@@ -6,6 +6,8 @@ from gradmesh.comm import CommCounter
 from gradmesh.config import FaultConfig, MonitorConfig
 from gradmesh.engine import StepProbe
 from gradmesh.errors import UsageError
+from gradmesh.chaos import parse_chaos
+from gradmesh.chaos import plan as plan_chaos
 from gradmesh.fault.inject import Injector, parse_faults
 from gradmesh.loop.checkpointing import Checkpointing
 from gradmesh.loop.reporting import Evaluation, ReplicaCheck, Reporting
@@ -32,13 +34,25 @@ def monitor(session, config: MonitorConfig | None, run_dir, plan) -> tuple[Monit
     return mon, counter
 
 
+def _injector(trainer, faults: FaultConfig) -> Injector:
+    """--inject's faults, a chaos spec's planned ones among them (the same on every worker)."""
+    planned, pace = parse_faults(faults.inject), 0.0
+    chaos = parse_chaos(faults.inject)
+    if chaos:
+        planned += plan_chaos(chaos, trainer.train.max_steps, trainer.checkpointing.every)
+        pace = chaos.pace
+    topo = trainer.ctx
+    return Injector(planned, trainer.session.identity, trainer.run_dir, pace=pace, spare_last=faults.recovery == "inplace",
+                    position=lambda: (topo.topology.rank, topo.topology.world_size))
+
+
 def services(trainer, faults: FaultConfig) -> Services:
     """Every service of a run; the order of `all` is the order they are called in."""
     ctx, train, session = trainer.ctx, trainer.train, trainer.session
-    injector = Injector(parse_faults(faults.inject), session.identity, trainer.run_dir)
+    injector = _injector(trainer, faults)
     reporting = Reporting(ctx, trainer.monitor, train.log_every, train.max_steps, session.membership)
     checkpointing = Checkpointing(ctx, trainer.checkpointing, trainer.sampler, reporting, trainer.run_info,
-                                  on_written=injector.at_checkpoint)
+                                  on_written=injector.at_checkpoint, in_place=session.membership is not None)
     found = Services(reporting, checkpointing, faults=FaultInjection(ctx, injector))
     if faults.step_timeout:
         from gradmesh.fault.watchdog import Watchdog

@@ -2,6 +2,7 @@
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from gradmesh import rundir
 from gradmesh.config import CheckpointConfig
@@ -14,9 +15,11 @@ class Checkpointing(Service):
     lockstep = True
 
     def __init__(self, ctx: RunContext, config: CheckpointConfig, sampler: GlobalOrderSampler, reporting,
-                 run_info: dict, on_written=lambda step: None):
+                 run_info: dict, on_written=lambda step: None, in_place: bool = False):
         self.ctx, self.config, self.sampler, self.reporting = ctx, config, sampler, reporting
         self.run_info, self.on_written = run_info, on_written
+        self.in_place = in_place
+        """In-place recovery: a worker lost mid-write abandons that checkpoint, not the run."""
         self.checkpointer = self._checkpointer()
 
     def _checkpointer(self) -> checkpoint.Checkpointer | None:
@@ -41,7 +44,16 @@ class Checkpointing(Service):
         state = {"step": step, "sampler": self.sampler.state_dict(), "world_size": topo.world_size,
                  "strategy": self.ctx.engine.plan.label, "run": self.run_info}
         with self.reporting.monitor.timed("checkpoint", step):  # checkpoint I/O, outside the step's phases
-            self.checkpointer.save(step, self.ctx.engine, state)
+            try:
+                self.checkpointer.save(step, self.ctx.engine, state)
+            except (RuntimeError, CheckpointException) as err:  # DCP's is a BaseException
+                if not self.in_place:
+                    raise
+                # Never published, so nothing will resume from it; the next step's collectives
+                # fail on the same loss and the survivors regroup there.
+                cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                self.reporting.note(f"gradmesh: the checkpoint of step {step} was abandoned: a worker was lost "
+                                    f"while it was written ({cause[:160]})")
 
     def finish_run(self, max_steps: int, steps_run: int) -> None:
         """The last step is always checkpointed; an async write in flight is published."""
