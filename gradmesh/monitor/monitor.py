@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gradmesh.config import MonitorConfig
-from gradmesh.monitor.breakdown import FIGURES, PHASES, StepClock
+from gradmesh.monitor.breakdown import FIGURES, StepClock
 from gradmesh.monitor.stragglers import StragglerDetector, busy_times, imbalance
 
 
@@ -37,7 +37,7 @@ class Monitor:
         self.detector = StragglerDetector(config.straggler_margin, config.straggler_steps)
         self.steps_file = self.alerts_file = None
         self.exporters = []
-        self.alerts: list[dict] = []
+        self.alert_count = 0  # the alerts themselves are in alerts.jsonl
 
     def start(self) -> None:
         """After the run dir is prepared (a fresh run clears it): open files, start exporters."""
@@ -90,21 +90,20 @@ class Monitor:
         for exporter in self.exporters:
             exporter.write(row)
 
-    def summary(self, history: list[dict]) -> dict:
-        """Rank 0, at the end: where the step time went over the run, mean imbalance, alert count."""
-        rows = [row for row in history if "breakdown" in row]
-        if self.clock is None or not rows:
+    def summary(self, totals) -> dict:
+        """Rank 0, at the end: where the step time went over the run, mean imbalance, alert count.
+        totals: the run's `gradmesh.monitor.reporter.RunTotals`."""
+        if self.clock is None or not totals.breakdown_rows:
             return {}
-        totals = {phase: sum(sum(row["breakdown"][phase]) for row in rows) for phase in PHASES}
-        whole = sum(totals.values()) or 1.0
-        return {"step_split": {phase: round(t / whole, 4) for phase, t in totals.items()},
-                "imbalance_mean": round(sum(row.get("imbalance", 0.0) for row in rows) / len(rows), 4),
-                "alerts": len(self.alerts)}
+        whole = sum(totals.phase_seconds.values()) or 1.0
+        return {"step_split": {phase: round(t / whole, 4) for phase, t in totals.phase_seconds.items()},
+                "imbalance_mean": round(totals.imbalance_sum / totals.breakdown_rows, 4),
+                "alerts": self.alert_count}
 
     def alert(self, alert: dict) -> None:
         """Rank 0: log an alert (stderr, even under --quiet) and keep it in alerts.jsonl."""
         alert = {"time": time.time(), **alert}
-        self.alerts.append(alert)
+        self.alert_count += 1
         print(f"gradmesh: alert at step {alert['step']}: {alert['message']}", file=sys.stderr, flush=True)
         if self.alerts_file:
             self.alerts_file.write(json.dumps(alert) + "\n")
