@@ -190,3 +190,16 @@ def test_a_long_run_keeps_bounded_state_and_summarises_every_step(world_of_one, 
     assert {**monitor.summary(totals), "final_loss": totals.last["loss"],
             "model_state_bytes": totals.last["model_state_bytes"]} == expected
 
+
+def test_a_trace_span_is_capped_with_one_line(capsys):
+    from gradmesh.config import MonitorConfig
+    from gradmesh.monitor.monitor import MAX_TRACED_STEPS, Monitor
+
+    assert Monitor(MonitorConfig(trace_steps="5:8"), None, 0, True).clock.trace_range == (5, 8)
+    assert capsys.readouterr().err == ""
+    monitor = Monitor(MonitorConfig(trace_steps="10:100000"), None, 0, True)
+    assert monitor.clock.trace_range == (10, 10 + MAX_TRACED_STEPS - 1)
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--trace-steps 10:100000" in err and f"10:{9 + MAX_TRACED_STEPS}" in err
+    Monitor(MonitorConfig(trace_steps="10:100000"), None, 1, False)  # one line from rank 0, not one per rank
+    assert capsys.readouterr().err == ""

@@ -17,12 +17,32 @@ from gradmesh.monitor.breakdown import FIGURES, StepClock
 from gradmesh.monitor.stragglers import StragglerDetector, busy_times, imbalance
 
 
+MAX_TRACED_STEPS = 200
+"""Every event of a traced step stays in each rank's memory until the end, when rank 0 gathers
+them all into trace.json: a span without bound would grow a long run's memory with every step."""
+
+
 def parse_trace_steps(text: str) -> tuple[int, int] | None:
     """'A:B' -> (A, B); '' -> None (no trace). Checked in MonitorConfig."""
     if not text:
         return None
     first, _, last = text.partition(":")
     return int(first), int(last or first)
+
+
+def traced_steps(text: str, warn) -> tuple[int, int] | None:
+    """The steps to trace: --trace-steps A:B, cut to its first MAX_TRACED_STEPS steps with one line to `warn`."""
+    span = parse_trace_steps(text)
+    if span is None or span[1] - span[0] < MAX_TRACED_STEPS:
+        return span
+    first, last = span[0], span[0] + MAX_TRACED_STEPS - 1
+    warn(f"gradmesh: warning: --trace-steps {text} spans {span[1] - span[0] + 1:,} steps; tracing steps {first}:{last} "
+         f"only (at most {MAX_TRACED_STEPS}: each traced step's events are held in memory until the end of the run)")
+    return first, last
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 class Monitor:
@@ -33,7 +53,8 @@ class Monitor:
         counter: the job's gradmesh.comm.CommCounter, read at the end of each step."""
         self.config, self.run_dir, self.identity, self.is_main = config, run_dir, identity, is_main
         self.same_work = same_work
-        self.clock = StepClock(parse_trace_steps(config.trace_steps), counter) if config.enabled else None
+        warn = _stderr if is_main else lambda text: None
+        self.clock = StepClock(traced_steps(config.trace_steps, warn), counter) if config.enabled else None
         self.detector = StragglerDetector(config.straggler_margin, config.straggler_steps)
         self.steps_file = self.alerts_file = None
         self.exporters = []
@@ -104,7 +125,7 @@ class Monitor:
         """Rank 0: log an alert (stderr, even under --quiet) and keep it in alerts.jsonl."""
         alert = {"time": time.time(), **alert}
         self.alert_count += 1
-        print(f"gradmesh: alert at step {alert['step']}: {alert['message']}", file=sys.stderr, flush=True)
+        _stderr(f"gradmesh: alert at step {alert['step']}: {alert['message']}")
         if self.alerts_file:
             self.alerts_file.write(json.dumps(alert) + "\n")
         for exporter in self.exporters:
