@@ -1,12 +1,17 @@
 """Observability (issue 6): the per-rank step breakdown against injected delays and a byte formula,
-a straggler named with its phase, a diverged replica caught, the timeline, and the exporters."""
+a straggler named with its phase, a diverged replica caught, the timeline, and the exporters.
+Long runs (issue 13): a rank's monitoring state stays bounded, and summary.json's figures come
+from running totals equal to those of the whole metrics history."""
 
 import json
 import statistics
+import tracemalloc
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from helpers import metrics, train, weights
+from helpers import metrics, summary, train, weights
 from runs import ddp_run, wide_run
 
 
@@ -124,3 +129,77 @@ def test_bad_monitoring_options_are_refused(cli, tmp_path, args, words):
     result = cli("train", "--run-dir", str(tmp_path), *args)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert all(w in result.stderr for w in words), result.stderr
+
+
+def summary_from_rows(rows: list[dict], alerts: int) -> dict:
+    """summary.json's figures computed from every metrics row, as gradmesh did when each rank kept them all."""
+    timed = [row for row in rows if "breakdown" in row]
+    totals = {phase: sum(sum(row["breakdown"][phase]) for row in timed) for phase in PHASES}
+    whole = sum(totals.values()) or 1.0
+    return {"final_loss": rows[-1]["loss"], "model_state_bytes": rows[-1]["model_state_bytes"],
+            "step_split": {phase: round(t / whole, 4) for phase, t in totals.items()},
+            "imbalance_mean": round(sum(row.get("imbalance", 0.0) for row in timed) / len(timed), 4),
+            "alerts": alerts}
+
+
+def test_summary_from_running_totals_equals_the_one_from_every_metrics_row(catalogue, straggler_run):
+    for run in (ddp_run(catalogue, 2, "adamw"), straggler_run["dir"]):  # the second has alerts
+        alerts = len((run / "alerts.jsonl").read_text().splitlines())
+        expected = summary_from_rows(metrics(run), alerts)
+        assert {key: summary(run)[key] for key in expected} == expected
+
+
+@pytest.fixture
+def world_of_one():
+    """A real one-rank gloo group in this process, for the step reporter's gathers."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_long_run_keeps_bounded_state_and_summarises_every_step(world_of_one, tmp_path):
+    from gradmesh.config import MonitorConfig
+    from gradmesh.monitor.monitor import Monitor
+    from gradmesh.monitor.reporter import FIGURES, RunTotals, StepRecord, StepReporter
+
+    monitor = Monitor(MonitorConfig(), tmp_path, 0, True)
+    reporter = StepReporter(world_of_one, 10, tmp_path / "metrics.jsonl", on_row=monitor.on_row,
+                            totals=RunTotals(recent=100))
+    figures = torch.rand(2500, len(FIGURES), dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def run(steps):
+        for step in steps:
+            reporter.add(StepRecord(step, 0, 32, 32 * step, 1e-3, 0.01, figures[step - 1]))
+
+    tracemalloc.start()
+    run(range(1, 501))  # past the window of recent rows
+    before = tracemalloc.get_traced_memory()[0]
+    run(range(501, 2501))
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    reporter.flush()
+    assert grown < 64 * 1024, f"2,000 more steps grew the reporter and monitor by {grown:,} bytes"
+    totals = reporter.totals
+    assert len(totals.recent) == 100 and totals.last["step"] == 2500 and totals.breakdown_rows == 2500
+    assert monitor.clock.events == []  # nothing traced without --trace-steps
+    rows = metrics(tmp_path)
+    assert len(rows) == 2500
+    expected = summary_from_rows(rows, 0)
+    assert {**monitor.summary(totals), "final_loss": totals.last["loss"],
+            "model_state_bytes": totals.last["model_state_bytes"]} == expected
+
+
+def test_a_trace_span_is_capped_with_one_line(capsys):
+    from gradmesh.config import MonitorConfig
+    from gradmesh.monitor.monitor import MAX_TRACED_STEPS, Monitor
+
+    assert Monitor(MonitorConfig(trace_steps="5:8"), None, 0, True).clock.trace_range == (5, 8)
+    assert capsys.readouterr().err == ""
+    monitor = Monitor(MonitorConfig(trace_steps="10:100000"), None, 0, True)
+    assert monitor.clock.trace_range == (10, 10 + MAX_TRACED_STEPS - 1)
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--trace-steps 10:100000" in err and f"10:{9 + MAX_TRACED_STEPS}" in err
+    Monitor(MonitorConfig(trace_steps="10:100000"), None, 1, False)  # one line from rank 0, not one per rank
+    assert capsys.readouterr().err == ""

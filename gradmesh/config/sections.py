@@ -202,7 +202,7 @@ class MonitorConfig:
     check_every: int = 50
     """Compare a checksum of every parameter across data-parallel replicas every N steps; 0: never."""
     trace_steps: str = ""
-    """A:B writes trace.json (Chrome/Perfetto format) with every rank's phases and collectives of steps A..B."""
+    """A:B writes trace.json (Chrome/Perfetto format) with every rank's phases and collectives of steps A..B (at most 200)."""
     tensorboard: bool = False
     """Write TensorBoard event files to RUN_DIR/tensorboard."""
     prometheus_port: int = 0

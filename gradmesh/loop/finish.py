@@ -25,16 +25,16 @@ def finish_run(trainer, start_step: int, wall: float) -> dict:
     steps = train.max_steps - start_step
     trainer.services.checkpointing.finish_run(train.max_steps, steps)
     weights = trainer.engine.full_state()
-    history, train_time = reporting.history, reporting.train_time
+    last, train_time = reporting.totals.last, reporting.train_time
     summary = {
         "steps": train.max_steps, "steps_this_run": steps, "samples": reporting.samples,
         "wall_s": wall, "train_s": train_time,
         "samples_per_s": (reporting.samples - trainer.samples_before(start_step)) / train_time if train_time else 0.0,
-        "final_loss": history[-1]["loss"] if history else float("nan"), "eval": eval_metrics,
+        "final_loss": last["loss"] if last else float("nan"), "eval": eval_metrics,
         "world_size": topo.world_size, "strategy": trainer.plan.label, "peak_memory_bytes": _peak_memory(topo),
-        "model_state_bytes": history[-1]["model_state_bytes"] if history else [],
+        "model_state_bytes": last["model_state_bytes"] if last else [],
         "run_dir": str(trainer.run_dir) if trainer.run_dir else "", **trainer.run_info,
-        **(trainer.monitor.summary(history) if topo.is_main else {}),
+        **(trainer.monitor.summary(reporting.totals) if topo.is_main else {}),
     }
     trainer.final_weights = weights if topo.is_main else None
     if topo.is_main and trainer.run_dir:

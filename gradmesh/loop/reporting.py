@@ -7,7 +7,7 @@ from gradmesh.loop.services import RunContext, Service
 from gradmesh.monitor import consistency, trace
 from gradmesh.monitor.monitor import Monitor
 from gradmesh.monitor.progress import TrainingProgress
-from gradmesh.monitor.reporter import StepRecord, StepReporter
+from gradmesh.monitor.reporter import RunTotals, StepRecord, StepReporter
 
 
 class Reporting(Service):
@@ -17,17 +17,15 @@ class Reporting(Service):
         self.ctx, self.monitor, self.log_every, self.membership = ctx, monitor, log_every, membership
         self.progress = TrainingProgress(max_steps, enabled=ctx.is_main and not ctx.quiet)
         self.samples, self.train_time = 0, 0.0
-        self.history: list[dict] = []
+        self.totals = RunTotals()  # one set across regroups
         self.reporter = self._reporter()
 
     def _reporter(self) -> StepReporter:
         ctx = self.ctx
         path = ctx.run_dir / "metrics.jsonl" if ctx.run_dir and ctx.is_main else None
-        reporter = StepReporter(ctx.topology.side_group("metrics"), self.log_every, path, on_record=self._show,
-                                membership=self.membership, on_row=self.monitor.on_row if ctx.is_main else None,
-                                with_breakdown=self.monitor.clock is not None)
-        reporter.history = self.history  # one history across regroups
-        return reporter
+        return StepReporter(ctx.topology.side_group("metrics"), self.log_every, path, on_record=self._show,
+                            membership=self.membership, on_row=self.monitor.on_row if ctx.is_main else None,
+                            with_breakdown=self.monitor.clock is not None, totals=self.totals)
 
     def start(self, first_step: int) -> None:
         self.progress.start = first_step

@@ -85,8 +85,9 @@ class Trainer:
 
     @property
     def history(self) -> list[dict]:
-        """Per-step records (as in metrics.jsonl) of this run, up to the last reported step."""
-        return self.services.reporting.history
+        """The most recent per-step records (as in metrics.jsonl) of this run, up to the last reported
+        step: at most `gradmesh.monitor.reporter.RECENT_ROWS`, so that a long run's memory stays flat."""
+        return list(self.services.reporting.totals.recent)
 
     def fit(self) -> dict:
         start_step = self._prepare()

@@ -13,8 +13,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gradmesh.config import MonitorConfig
-from gradmesh.monitor.breakdown import FIGURES, PHASES, StepClock
+from gradmesh.monitor.breakdown import FIGURES, StepClock
 from gradmesh.monitor.stragglers import StragglerDetector, busy_times, imbalance
+
+
+MAX_TRACED_STEPS = 200
+"""Every event of a traced step stays in each rank's memory until the end, when rank 0 gathers
+them all into trace.json: a span without bound would grow a long run's memory with every step."""
 
 
 def parse_trace_steps(text: str) -> tuple[int, int] | None:
@@ -25,6 +30,21 @@ def parse_trace_steps(text: str) -> tuple[int, int] | None:
     return int(first), int(last or first)
 
 
+def traced_steps(text: str, warn) -> tuple[int, int] | None:
+    """The steps to trace: --trace-steps A:B, cut to its first MAX_TRACED_STEPS steps with one line to `warn`."""
+    span = parse_trace_steps(text)
+    if span is None or span[1] - span[0] < MAX_TRACED_STEPS:
+        return span
+    first, last = span[0], span[0] + MAX_TRACED_STEPS - 1
+    warn(f"gradmesh: warning: --trace-steps {text} spans {span[1] - span[0] + 1:,} steps; tracing steps {first}:{last} "
+         f"only (at most {MAX_TRACED_STEPS}: each traced step's events are held in memory until the end of the run)")
+    return first, last
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 class Monitor:
     def __init__(self, config: MonitorConfig, run_dir: Path | None, identity: int, is_main: bool,
                  same_work: bool = True, counter=None):
@@ -33,11 +53,12 @@ class Monitor:
         counter: the job's gradmesh.comm.CommCounter, read at the end of each step."""
         self.config, self.run_dir, self.identity, self.is_main = config, run_dir, identity, is_main
         self.same_work = same_work
-        self.clock = StepClock(parse_trace_steps(config.trace_steps), counter) if config.enabled else None
+        warn = _stderr if is_main else lambda text: None
+        self.clock = StepClock(traced_steps(config.trace_steps, warn), counter) if config.enabled else None
         self.detector = StragglerDetector(config.straggler_margin, config.straggler_steps)
         self.steps_file = self.alerts_file = None
         self.exporters = []
-        self.alerts: list[dict] = []
+        self.alert_count = 0  # the alerts themselves are in alerts.jsonl
 
     def start(self) -> None:
         """After the run dir is prepared (a fresh run clears it): open files, start exporters."""
@@ -90,22 +111,21 @@ class Monitor:
         for exporter in self.exporters:
             exporter.write(row)
 
-    def summary(self, history: list[dict]) -> dict:
-        """Rank 0, at the end: where the step time went over the run, mean imbalance, alert count."""
-        rows = [row for row in history if "breakdown" in row]
-        if self.clock is None or not rows:
+    def summary(self, totals) -> dict:
+        """Rank 0, at the end: where the step time went over the run, mean imbalance, alert count.
+        totals: the run's `gradmesh.monitor.reporter.RunTotals`."""
+        if self.clock is None or not totals.breakdown_rows:
             return {}
-        totals = {phase: sum(sum(row["breakdown"][phase]) for row in rows) for phase in PHASES}
-        whole = sum(totals.values()) or 1.0
-        return {"step_split": {phase: round(t / whole, 4) for phase, t in totals.items()},
-                "imbalance_mean": round(sum(row.get("imbalance", 0.0) for row in rows) / len(rows), 4),
-                "alerts": len(self.alerts)}
+        whole = sum(totals.phase_seconds.values()) or 1.0
+        return {"step_split": {phase: round(t / whole, 4) for phase, t in totals.phase_seconds.items()},
+                "imbalance_mean": round(totals.imbalance_sum / totals.breakdown_rows, 4),
+                "alerts": self.alert_count}
 
     def alert(self, alert: dict) -> None:
         """Rank 0: log an alert (stderr, even under --quiet) and keep it in alerts.jsonl."""
         alert = {"time": time.time(), **alert}
-        self.alerts.append(alert)
-        print(f"gradmesh: alert at step {alert['step']}: {alert['message']}", file=sys.stderr, flush=True)
+        self.alert_count += 1
+        _stderr(f"gradmesh: alert at step {alert['step']}: {alert['message']}")
         if self.alerts_file:
             self.alerts_file.write(json.dumps(alert) + "\n")
         for exporter in self.exporters:

@@ -10,6 +10,7 @@ step, written in groups.
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,34 @@ from gradmesh.monitor import breakdown
 BASE = ("loss_sum", "loss_samples", "model_state_bytes", "peak_memory_bytes")
 FIGURES = BASE + breakdown.FIGURES
 """Per-rank figures of a step: the base ones, then the step breakdown (zeros with monitoring off)."""
+
+RECENT_ROWS = 1000
+"""Rows a rank keeps (`Trainer.history`); the whole run is in metrics.jsonl."""
+
+
+class RunTotals:
+    """What the summary needs from a run's rows, kept as running totals: a row costs a few KB, so
+    keeping every one grew each rank by ~30 MB per 10,000 steps (benchmarks/bench_long_run.py)."""
+
+    def __init__(self, recent: int = RECENT_ROWS):
+        self.recent: deque[dict] = deque(maxlen=recent)
+        self.phase_seconds = dict.fromkeys(breakdown.PHASES, 0.0)
+        """Seconds per phase summed over ranks and over the rows that carry a breakdown."""
+        self.breakdown_rows = 0
+        self.imbalance_sum = 0.0
+
+    def add(self, row: dict) -> None:
+        self.recent.append(row)
+        if "breakdown" not in row:
+            return
+        self.breakdown_rows += 1
+        for phase in breakdown.PHASES:
+            self.phase_seconds[phase] += sum(row["breakdown"][phase])
+        self.imbalance_sum += row.get("imbalance", 0.0)
+
+    @property
+    def last(self) -> dict | None:
+        return self.recent[-1] if self.recent else None
 
 
 @dataclass
@@ -40,7 +69,7 @@ class StepRecord:
 
 class StepReporter:
     def __init__(self, group, every: int, metrics_path: Path | None, on_record=None, membership=None,
-                 on_row=None, with_breakdown: bool = True):
+                 on_row=None, with_breakdown: bool = True, totals: RunTotals | None = None):
         # A gloo group of its own (the topology's "metrics" side group) keeps monitoring traffic
         # out of training's queue — measured: 0.975 of plain DDP's throughput sharing the default
         # group, 1.00 apart — and gloo takes CPU tensors even under NCCL.
@@ -52,7 +81,7 @@ class StepReporter:
         """Under in-place recovery: waits on the gather fail at once when a member is lost."""
         self.waiting: list[StepRecord] = []
         self.in_flight = None
-        self.history: list[dict] = []
+        self.totals = totals if totals is not None else RunTotals()
 
     def add(self, record: StepRecord) -> None:
         self.waiting.append(record)
@@ -100,7 +129,7 @@ class StepReporter:
             if self.on_row:
                 self.on_row(row)
             rows.append(row)
-        self.history.extend(rows)
+            self.totals.add(row)
         if self.metrics_path:
             with open(self.metrics_path, "a") as handle:
                 handle.writelines(json.dumps(row) + "\n" for row in rows)
