@@ -84,7 +84,8 @@ def _add_failure_options(train: argparse.ArgumentParser) -> None:
                         help="declare a hang when a step makes no progress this long: stacks dumped, ranks named (default off)")
     faults.add_argument("--inject", action="append", metavar="FAULT",
                         help="inject a fault (repeatable): kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, "
-                             "slow:rank=R,factor=F|delay=S, diverge:rank=R,step=N")
+                             "slow:rank=R,factor=F|delay=S, diverge:rank=R,step=N; or a soak of N seeded random "
+                             "kills, hangs and slow-downs: chaos:faults=N,seed=S[,kinds=kill+hang+slow][,pace=S]")
 
 
 def _add_monitoring_options(train: argparse.ArgumentParser) -> None:
