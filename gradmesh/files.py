@@ -45,6 +45,27 @@ def jsonl_lines(data: bytes) -> Iterator[tuple[bytes, dict]]:
             yield line, row
 
 
+def _ends_torn(path: Path) -> bool:
+    try:
+        with open(path, "rb") as tail:
+            if tail.seek(0, os.SEEK_END) == 0:
+                return False
+            tail.seek(-1, os.SEEK_END)
+            return tail.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+
+
+def open_append(path: str | Path, buffering: int = -1):
+    """A JSONL file opened to append records; a last line torn by a crash is ended first, so the
+    next record starts a line of its own instead of being lost with the torn one."""
+    torn = _ends_torn(Path(path))
+    handle = open(path, "a", buffering=buffering)
+    if torn:
+        handle.write("\n")
+    return handle
+
+
 @contextmanager
 def replacing(path: str | Path) -> Iterator[Path]:
     """A temporary path beside `path` for a writer that wants a path of its own (safetensors);

@@ -102,3 +102,16 @@ def test_a_fresh_start_clears_a_crashed_write_and_counts_it_as_gradmeshs(tmp_pat
     rundir.check_fresh(tmp_path, overwrite=False)  # nothing but gradmesh's own files: counts as empty
     rundir.start_fresh(tmp_path)  # claims the folder
     assert rundir.start_fresh(tmp_path) == [leftover] and not leftover.exists()
+
+
+def test_a_record_appended_after_a_torn_line_starts_a_line_of_its_own(tmp_path):
+    from gradmesh.files import open_append, read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "lo')  # killed mid-append
+    with open_append(path) as handle:
+        handle.write('{"step": 2}\n')
+    assert [row["step"] for row in read_jsonl(path)] == [1, 2]
+    with open_append(tmp_path / "new.jsonl") as handle:  # a new file gets no blank first line
+        handle.write('{"step": 1}\n')
+    assert (tmp_path / "new.jsonl").read_text() == '{"step": 1}\n'

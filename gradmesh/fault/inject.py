@@ -12,7 +12,7 @@ import signal
 import time
 from pathlib import Path
 
-from gradmesh.files import read_jsonl
+from gradmesh.files import open_append, read_jsonl
 from gradmesh.specs import Fault, check_ranks, parse_faults  # noqa: F401 (re-exported)
 
 class Injector:
@@ -41,7 +41,7 @@ class Injector:
 
     def _record(self, fault: Fault, step: int) -> None:
         if self.log:
-            with open(self.log, "a") as f:
+            with open_append(self.log) as f:
                 f.write(json.dumps({"fault": fault.label, "rank": self.rank, "step": step, "time": time.time()}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from gradmesh import env
 from gradmesh.fault import inplace
+from gradmesh.files import open_append
 from gradmesh.topology import job_store
 
 EXIT_HANG = 3
@@ -113,7 +114,7 @@ class Watchdog:
                     f"Python stacks of every rank in {self.run_dir}/stacks-rank*.txt")
             print(line, file=sys.stderr, flush=True)
             if self.run_dir:
-                with open(self.run_dir / "faults.jsonl", "a") as f:
+                with open_append(self.run_dir / "faults.jsonl") as f:
                     f.write(json.dumps({"event": "hang", "detected_by": self.rank, "did_not_arrive": behind,
                                         "progress": {str(r): describe(p) for r, p in progress.items()},
                                         "time": time.time()}) + "\n")

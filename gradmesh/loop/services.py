@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradmesh.engine import Engine, StepOutcome
+from gradmesh.files import open_append
 from gradmesh.topology import Topology
 
 
@@ -58,7 +59,7 @@ class SampleRecorder(Service):
 
     def start(self, first_step: int) -> None:
         if self.ctx.run_dir:
-            self.file = open(self.ctx.run_dir / f"samples-rank{self.ctx.identity}.jsonl", "a", buffering=1)
+            self.file = open_append(self.ctx.run_dir / f"samples-rank{self.ctx.identity}.jsonl", buffering=1)
 
     def after_step(self, outcome: StepOutcome, elapsed: float) -> None:
         if self.file:

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gradmesh.config import MonitorConfig
+from gradmesh.files import open_append
 from gradmesh.monitor.breakdown import FIGURES, StepClock
 from gradmesh.monitor.stragglers import StragglerDetector, busy_times, imbalance
 
@@ -64,10 +65,10 @@ class Monitor:
         """After the run dir is prepared (a fresh run clears it): open files, start exporters."""
         if self.clock is None or self.run_dir is None:
             return
-        self.steps_file = open(self.run_dir / f"steps-rank{self.identity}.jsonl", "a", buffering=1)
+        self.steps_file = open_append(self.run_dir / f"steps-rank{self.identity}.jsonl", buffering=1)
         if not self.is_main:
             return
-        self.alerts_file = open(self.run_dir / "alerts.jsonl", "a", buffering=1)
+        self.alerts_file = open_append(self.run_dir / "alerts.jsonl", buffering=1)
         if self.config.tensorboard:
             from gradmesh.monitor.exporters import TensorBoardExporter
 

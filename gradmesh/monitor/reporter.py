@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gradmesh.files import open_append
 from gradmesh.monitor import breakdown
 
 BASE = ("loss_sum", "loss_samples", "model_state_bytes", "peak_memory_bytes")
@@ -131,7 +132,7 @@ class StepReporter:
             rows.append(row)
             self.totals.add(row)
         if self.metrics_path:
-            with open(self.metrics_path, "a") as handle:
+            with open_append(self.metrics_path) as handle:
                 handle.writelines(json.dumps(row) + "\n" for row in rows)
         if self.on_record:
             self.on_record(rows[-1])
