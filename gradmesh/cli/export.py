@@ -1,10 +1,9 @@
 """`gradmesh export`: one unsharded safetensors file from a checkpoint of any strategy and world size."""
 
 import argparse
-from pathlib import Path
 
-from gradmesh.cli.options import integer
-from gradmesh.errors import UsageError
+from gradmesh.cli.options import existing_run_dir, integer
+from gradmesh.paths import checked
 
 
 def add_parser(subparsers) -> None:
@@ -16,10 +15,11 @@ def add_parser(subparsers) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    if not Path(args.run_dir).is_dir():
-        raise UsageError(f"run dir {args.run_dir!r} does not exist")
+    run_dir = existing_run_dir(args.run_dir)
+    # Written after the checkpoint is read: a folder, FIFO or device there must fail first.
+    checked(args.out, "--out", "a path for the new .safetensors file", missing_ok=True)
     from gradmesh.export import export  # torch: only once the input is known to be good
 
-    path, count = export(args.run_dir, args.out, args.step)
+    path, count = export(run_dir, args.out, args.step)
     print(f"wrote {count} tensors from {path} to {args.out}")
     return 0

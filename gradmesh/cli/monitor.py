@@ -2,10 +2,8 @@
 
 import argparse
 import sys
-from pathlib import Path
 
-from gradmesh.cli.options import port_type
-from gradmesh.errors import UsageError
+from gradmesh.cli.options import existing_run_dir, port_type
 
 
 def add_parser(subparsers) -> None:
@@ -25,16 +23,10 @@ def add_parser(subparsers) -> None:
     report.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a gradmesh train run")
 
 
-def _existing_run_dir(text: str) -> Path:
-    if not Path(text).is_dir():
-        raise UsageError(f"run dir {text!r} does not exist; give the --run-dir of a gradmesh train run")
-    return Path(text)
-
-
 def cmd_monitor(args: argparse.Namespace) -> int:
     from gradmesh.monitor.dashboard import serve
 
-    run_dir = _existing_run_dir(args.run_dir)
+    run_dir = existing_run_dir(args.run_dir)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"gradmesh monitor: warning: --host {args.host} lets anyone who can reach this machine read the "
               "dashboard (no authentication); the default 127.0.0.1 keeps it to this machine", file=sys.stderr, flush=True)
@@ -46,5 +38,5 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from gradmesh.monitor.report import write_report
 
-    print(write_report(_existing_run_dir(args.run_dir)))
+    print(write_report(existing_run_dir(args.run_dir)))
     return 0

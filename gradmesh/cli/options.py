@@ -6,6 +6,7 @@ from pathlib import Path
 
 from gradmesh import config as configuration
 from gradmesh.errors import UsageError
+from gradmesh.paths import checked
 
 # Command-line flag -> config key. Flags left out stay None and do not override.
 FLAG_KEYS = {
@@ -68,6 +69,11 @@ def port_type(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"--port must be from 1 to 65535, got {value}")
     return value
+
+
+def existing_run_dir(text: str) -> Path:
+    """The RUN_DIR argument of export, monitor and report."""
+    return checked(text, "run dir", "the --run-dir of a gradmesh train run", ("folder",))
 
 
 def add_launch_options(parser: argparse.ArgumentParser) -> None:

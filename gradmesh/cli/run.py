@@ -1,11 +1,10 @@
 """`gradmesh run`: the user's own torch.distributed script on N workers, launched as torchrun would."""
 
 import argparse
-from pathlib import Path
 
 from gradmesh import config as configuration
 from gradmesh.cli.options import add_launch_options, flag_layer, launch_shape
-from gradmesh.errors import UsageError
+from gradmesh.paths import checked
 
 
 def add_parser(subparsers) -> None:
@@ -17,8 +16,7 @@ def add_parser(subparsers) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if not Path(args.script).is_file():
-        raise UsageError(f"script {args.script!r} does not exist; usage: gradmesh run [options] SCRIPT.py [args]")
+    checked(args.script, "script", "a Python file: gradmesh run [options] SCRIPT.py [args]")
     from gradmesh.launch import run_workers  # torch: only once the input is known to be good
 
     launch = configuration.build([flag_layer(args)]).launch

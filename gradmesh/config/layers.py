@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gradmesh.config.sections import Config
 from gradmesh.errors import UsageError
+from gradmesh.paths import checked
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
@@ -66,11 +67,9 @@ def build(layers: list[dict[str, dict]]) -> Config:
 
 
 def load_toml(path: str | Path) -> dict[str, dict]:
-    path = Path(path)
+    path = checked(path, "config file", "a TOML file")
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"config file {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"config file {str(path)!r} cannot be read: {exc}") from None
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from gradmesh.errors import UsageError
+from gradmesh.paths import checked
 
 
 def stdlib_files() -> list[Path]:
@@ -33,9 +34,7 @@ def _text_files(path: Path) -> list[Path]:
 def load_text(data_path: str, max_chars: int) -> str:
     """The corpus text, at most max_chars characters; bad paths raise UsageError."""
     if data_path:
-        path = Path(data_path)
-        if not path.exists():
-            raise UsageError(f"data.path {data_path!r} does not exist; give a UTF-8 text file or a folder of them")
+        path = checked(data_path, "data.path", "a UTF-8 text file or a folder of them", ("file", "folder"))
         files, strict = _text_files(path), True
     else:
         files, strict = stdlib_files(), False
