@@ -80,7 +80,7 @@ class CharWindows(torch.utils.data.Dataset):
     def __init__(self, tokens: torch.Tensor, block_size: int):
         self.tokens = tokens
         self.block_size = block_size
-        self.length = (len(tokens) - 1) // block_size
+        self.length = max(0, (len(tokens) - 1) // block_size)  # no tokens at all: -1 // block_size is -1
 
     def __len__(self) -> int:
         return self.length
