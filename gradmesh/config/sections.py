@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import tomli_w
 
 from gradmesh.chaos import parse_inject
+from gradmesh.config import checks as _checks
 from gradmesh.config.checks import finite as _finite
 from gradmesh.config.checks import one_of as _one_of
 from gradmesh.config.checks import positive as _positive
@@ -45,8 +46,7 @@ class ModelConfig:
         _one_of("model", "name", self.name, MODELS)
         for name in ("n_layer", "n_head", "n_embd", "block_size", "hidden"):
             _positive("model", name, getattr(self, name))
-        if not 0.0 <= self.dropout < 1.0:
-            raise UsageError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        _checks.fraction("model", "dropout", self.dropout)
         if self.n_embd % self.n_head:
             raise UsageError(
                 f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}"
@@ -137,6 +137,7 @@ class TrainConfig:
             raise UsageError(f"train.bucket_mb must be > 0 (MiB, e.g. 25), got {self.bucket_mb}")
         if self.lr <= 0 or self.min_lr < 0:
             raise UsageError(f"train.lr must be > 0 and train.min_lr >= 0, got {self.lr}, {self.min_lr}")
+        _checks.fraction("train", "momentum", self.momentum)  # torch refuses < 0 only after launch
 
     @property
     def split_points(self) -> tuple[str, ...]:
@@ -217,9 +218,7 @@ class MonitorConfig:
         if not 0 <= self.prometheus_port <= 65535:
             raise UsageError(f"monitor.prometheus_port must be a port number 1..65535 (or 0: off), got {self.prometheus_port}")
         if self.trace_steps:
-            first, sep, last = self.trace_steps.partition(":")
-            if not (first.isdigit() and (not sep or last.isdigit())) or int(first) < 1 or (sep and int(last) < int(first)):
-                raise UsageError(f"--trace-steps {self.trace_steps!r}: expected A:B with 1 <= A <= B (steps to trace), e.g. 5:8")
+            _checks.trace_steps(self.trace_steps)
 
 
 @dataclass(kw_only=True)
@@ -247,12 +246,7 @@ class LaunchConfig:
         _positive("launch", "nnodes", self.nnodes)
         _one_of("launch", "device", self.device, DEVICES)
         _one_of("launch", "rdzv_backend", self.rdzv_backend, ("", "c10d", "static"))
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise UsageError("launch.nnodes > 1 needs --rdzv-endpoint HOST:PORT")
-        host, _, port = self.rdzv_endpoint.rpartition(":")
-        if self.rdzv_endpoint and not (host and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
-            raise UsageError(f"--rdzv-endpoint {self.rdzv_endpoint!r}: expected HOST:PORT with PORT from 1 to 65535, "
-                             "e.g. 10.0.0.1:29400")
+        _checks.rendezvous(self)
 
 
 @dataclass(kw_only=True)
