@@ -48,6 +48,17 @@ def auto_nproc(device_type: str) -> int:
     return 2 if (os.cpu_count() or 1) >= 2 else 1
 
 
+def memory_bytes(device_type: str) -> int | None:
+    """Memory one rank's model state can use: the smallest GPU's (each rank has one) or this
+    machine's RAM (shared by its ranks); None where the system does not say."""
+    if device_type == "cuda":
+        return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # /proc/meminfo's MemTotal
+    except (ValueError, OSError):
+        return None
+
+
 def threads_per_worker(local_world_size: int) -> int:
     """Share the cores so N local workers do not oversubscribe them; OMP_NUM_THREADS overrides."""
     return env.omp_threads() or max(1, (os.cpu_count() or 1) // local_world_size)

@@ -16,6 +16,7 @@ from gradmesh.errors import UsageError
 from gradmesh.files import atomic_write
 from gradmesh.monitor.progress import print_pipeline_plan
 from gradmesh.parallel.pipeline import PipelineOptions, padded_rows, pipeline_of
+from gradmesh.parallel.state import optimizer_slots
 
 
 class PipelineEngine(Engine):
@@ -26,8 +27,7 @@ class PipelineEngine(Engine):
                              "per-sample losses: the last stage computes the loss, not the model")
         self.padded = padded_rows(train.global_batch_size // self.topology.dp_size, train.microbatches)
         example = to_device(fetch(job.dataset, list(range(self.padded // train.microbatches))), self.topology.device)
-        adam = issubclass(job.optimizer_class, (torch.optim.Adam, torch.optim.AdamW))
-        slots = 2 if adam else int(job.optimizer_kwargs.get("momentum", 0) > 0)
+        slots = optimizer_slots(job.optimizer_class, job.optimizer_kwargs)
         return PipelineOptions(job.criterion, schedule=train.pp_schedule, microbatches=train.microbatches,
                                split=train.split_points, optimizer_slots=slots, example=example)
 

@@ -197,6 +197,15 @@ class Plan:
         """The row whose optimizer and optimizer-state functions the job uses (the data axis's)."""
         return self.rows[-1]
 
+    def state_bytes(self, size: ModelSize) -> float:
+        """Bytes of model state one rank holds: each row keeps its formula's share of what the rows
+        before it left (a tensor-parallel split, then a pipeline stage, then the data axis's)."""
+        whole = _all_bytes(size)
+        share = 1.0
+        for row in self.rows:
+            share *= row.state_bytes(size, self.mesh[row.axis]) / whole if whole else 1.0
+        return whole * share
+
     def check(self, cfg, meta_model) -> None:
         """Every row's pre-launch checks."""
         for row in self.rows:

@@ -11,6 +11,13 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 
+def optimizer_slots(optimizer_class: type, kwargs: dict) -> int:
+    """State tensors the optimizer keeps per parameter: Adam's two moments, SGD's momentum buffer."""
+    if issubclass(optimizer_class, (torch.optim.Adam, torch.optim.AdamW)):
+        return 2
+    return int(kwargs.get("momentum", 0) > 0)
+
+
 def plain_optimizer(params, topology, optimizer_class, **kwargs) -> torch.optim.Optimizer:
     return optimizer_class(params, **kwargs)
 

@@ -80,4 +80,13 @@ def clip_gradients(model: nn.Module, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-__all__ = ["TP_PLANS", "apply_tp", "check_tp_degree", "clip_grad_norm", "clip_gradients"]
+def tp_parameter_count(model: nn.Module) -> int:
+    """Parameters the plan splits (for the registry's formulas), on a plain or meta model."""
+    if type(model).__name__ not in TP_PLANS:
+        return 0
+    blocks_attr, block_plan = TP_PLANS[type(model).__name__]
+    return sum(p.numel() for block in getattr(model, blocks_attr) for path in block_plan
+               for p in block.get_submodule(path).parameters())
+
+
+__all__ = ["TP_PLANS", "apply_tp", "check_tp_degree", "clip_grad_norm", "clip_gradients", "tp_parameter_count"]

@@ -1,0 +1,54 @@
+"""Before launch: does the model's state fit where it will live?
+
+The strategy registry's `state_bytes` formulas (parameters, gradients and optimizer state, fp32)
+applied to the configured model on the meta device — counted, never allocated — give each
+rank's share; on CPU the machine's ranks share its memory, on CUDA each rank has a GPU. A model
+far too large otherwise fails minutes later as an out-of-memory kill with no message at all.
+Activations and framework overhead come on top, so passing this check is no promise to fit.
+"""
+
+from gradmesh import config as configuration
+from gradmesh.errors import UsageError
+from gradmesh.parallel import registry
+
+GIB = 2**30
+SIZE_KEYS = {"gpt-char": "model.n_layer, model.n_embd", "mlp-digits": "model.hidden"}
+
+
+def model_size(cfg: configuration.Config, model) -> registry.ModelSize:
+    """What the registry's formulas need to know of the configured model and optimizer."""
+    from gradmesh.loop.trainer import optimizer_spec
+    from gradmesh.parallel.state import optimizer_slots
+    from gradmesh.parallel.tensor import tp_parameter_count
+
+    optimizer_class, kwargs = optimizer_spec(cfg.train)
+    return registry.ModelSize(params=sum(p.numel() for p in model.parameters()),
+                              slots=optimizer_slots(optimizer_class, kwargs), tp_params=tp_parameter_count(model))
+
+
+def check_memory(cfg: configuration.Config, plan: registry.Plan, meta_model, nproc: int, device: str) -> None:
+    """UsageError when the estimated model state exceeds the memory it will live in."""
+    from gradmesh.topology import memory_bytes
+
+    have = memory_bytes(device)
+    if have is None:
+        return
+    size = model_size(cfg, meta_model())
+    sharing = 1 if device == "cuda" else nproc
+    need = plan.state_bytes(size) * sharing
+    if need <= have:
+        return
+    where = f"each GPU has {have / GIB:.1f} GiB" if device == "cuda" else f"this machine has {have / GIB:.1f} GiB"
+    advice = [f"a smaller model ({SIZE_KEYS[cfg.model.name]})", *_sharded(size, nproc * cfg.launch.nnodes, sharing, need),
+              "more machines (--nnodes)"]
+    raise UsageError(
+        f"the model does not fit: its {size.params:,} parameters need ~{need / GIB:.1f} GiB of parameters, gradients "
+        f"and {cfg.train.optimizer} state ({plan.label}, {sharing} rank(s) sharing the memory) but {where}; use "
+        + ", ".join(advice[:-1]) + f" or {advice[-1]}")
+
+
+def _sharded(size: registry.ModelSize, world: int, sharing: int, need: float) -> list[str]:
+    """The advice to shard, when the registry has a strategy that holds clearly less per rank."""
+    lightest = min(registry.ROWS, key=lambda row: row.state_bytes(size, world))
+    lighter = lightest.state_bytes(size, world) * sharing
+    return [f"--strategy {lightest.name} (~{lighter / GIB:.1f} GiB)"] if lighter < 0.9 * need else []
