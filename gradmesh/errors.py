@@ -1,7 +1,8 @@
-"""The one error type for bad user input.
+"""The one error type for bad user input, and the one way out when there is nothing to do.
 
 A `UsageError` carries a single line naming the bad value and what would be accepted; the CLI
-prints it without a traceback and exits with code 2 (contract 7 in DESIGN.md).
+prints it without a traceback and exits with code 2 (contract 7 in DESIGN.md). `NothingToDo`
+is a request already fulfilled (resuming a finished run): one line, exit code 0.
 """
 
 EXIT_USAGE = 2
@@ -12,3 +13,7 @@ class UsageError(Exception):
 
     def __init__(self, message: str):
         super().__init__(message.replace("\n", " "))
+
+
+class NothingToDo(Exception):
+    """The command would change nothing: printed as one line, exit code 0."""

@@ -11,7 +11,7 @@ import sys
 
 from gradmesh.cli import export, monitor, run, train
 from gradmesh.cli.options import Parser
-from gradmesh.errors import EXIT_USAGE, UsageError
+from gradmesh.errors import EXIT_USAGE, NothingToDo, UsageError
 
 COMMANDS = {"train": train.cmd_train, "run": run.cmd_run, "export": export.cmd_export,
             "monitor": monitor.cmd_monitor, "report": monitor.cmd_report}
@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"gradmesh: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except NothingToDo as done:
+        print(f"gradmesh: {done}", file=sys.stderr)
+        return 0
     except KeyboardInterrupt:
         print("gradmesh: interrupted", file=sys.stderr)
         return 130

@@ -2,6 +2,7 @@
 (`check_train`), and the launch of the workers."""
 
 import argparse
+import functools
 import math
 import socket
 import sys
@@ -10,10 +11,12 @@ from pathlib import Path
 from gradmesh import config as configuration
 from gradmesh import rundir
 from gradmesh.runlock import RunLock
+from gradmesh.cli.memory import check_memory
 from gradmesh.cli.options import add_launch_options, integer, launch_shape, number, resolve_config
-from gradmesh.errors import UsageError
+from gradmesh.errors import NothingToDo, UsageError
 from gradmesh.files import atomic_write
 from gradmesh.mesh import DATA_AXES
+from gradmesh.monitor.monitor import parse_trace_steps
 from gradmesh.parallel import registry
 from gradmesh.chaos import check_chaos, parse_inject
 from gradmesh.specs import check_ranks
@@ -101,36 +104,39 @@ def _add_monitoring_options(train: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
-    _, nproc = launch_shape(cfg.launch)
-    run_dir = check_train(cfg, nproc)
+    device, nproc = launch_shape(cfg.launch)
+    run_dir = check_train(cfg, nproc, device)
     return _launch(cfg, nproc, run_dir)
 
 
-def check_train(cfg: configuration.Config, nproc: int) -> Path | None:
+def check_train(cfg: configuration.Config, nproc: int, device: str = "cpu") -> Path | None:
     """Every check that can fail before a worker starts, in the order a user meets them (a UsageError
-    names the first problem). Writes nothing but the run directory itself; returns it (None: a
-    new default one is made at launch)."""
+    names the first problem; NothingToDo when a resumed run is already done). Writes nothing but
+    the run directory itself, and that only once everything else passed; returns it (None: a new
+    default one is made at launch)."""
     from gradmesh import workloads
 
     world = nproc * cfg.launch.nnodes
-    plan = _check_parallelism(cfg, nproc, world)
+    meta_model = functools.cache(lambda: workloads.meta_model(cfg))
+    plan = _check_parallelism(cfg, nproc, world, meta_model)
     faults, chaos = parse_inject(cfg.fault.inject)
     check_ranks(faults, world)
     check_chaos(chaos, cfg.train.max_steps, cfg.fault.recovery, cfg.fault.step_timeout)
     _check_recovery(cfg, plan)
+    _check_trace(cfg)
     workloads.check_inputs(cfg)
+    check_memory(cfg, plan, meta_model, nproc, device)
     if cfg.monitor.prometheus_port:
         _check_port_free(cfg.monitor.prometheus_port)
     if _default_fresh(cfg):  # a folder of its own is made at launch, under runs/
         rundir.ensure_writable(rundir.DEFAULT_ROOT)
         return None
-    run_dir = rundir.ensure_writable(cfg.run.dir)
-    RunLock(run_dir, _job_key(cfg)).check()
+    RunLock(cfg.run.dir, _job_key(cfg)).check()
     if cfg.checkpoint.resume:
-        _check_resume(cfg, run_dir)
+        _check_resume(cfg, Path(cfg.run.dir))
     else:
-        rundir.check_fresh(run_dir, cfg.run.overwrite)
-    return run_dir
+        rundir.check_fresh(cfg.run.dir, cfg.run.overwrite)
+    return rundir.ensure_writable(cfg.run.dir)
 
 
 def _default_fresh(cfg: configuration.Config) -> bool:
@@ -143,10 +149,8 @@ def _job_key(cfg: configuration.Config) -> str:
     return f"{cfg.launch.rdzv_endpoint}/{cfg.launch.rdzv_id}" if cfg.launch.nnodes > 1 else ""
 
 
-def _check_parallelism(cfg: configuration.Config, nproc: int, world: int) -> registry.Plan:
+def _check_parallelism(cfg: configuration.Config, nproc: int, world: int, meta_model) -> registry.Plan:
     """The strategy registry's checks; returns the plan (strategies on a named mesh) the workers build."""
-    from gradmesh import workloads
-
     mesh = registry.mesh_for(cfg.train.strategy, world, cfg.train.mesh)
     product = math.prod(mesh.values())
     if product != world:
@@ -154,7 +158,7 @@ def _check_parallelism(cfg: configuration.Config, nproc: int, world: int) -> reg
                          f"({nproc} per node x {cfg.launch.nnodes} nodes); make the product {world}")
     cfg.check_world(math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
     plan = registry.resolve(cfg.train.strategy, mesh)
-    plan.check(cfg, lambda: workloads.meta_model(cfg))
+    plan.check(cfg, meta_model)
     return plan
 
 
@@ -163,6 +167,13 @@ def _check_recovery(cfg: configuration.Config, plan: registry.Plan) -> None:
         accepted = ", ".join(row.name for row in registry.ROWS if row.inplace_recovery)
         raise UsageError(f"--recovery inplace supports --strategy {accepted} on one machine (a lost rank's shard of "
                          "sharded, tensor- or pipeline-parallel state is gone); use --recovery restart")
+
+
+def _check_trace(cfg: configuration.Config) -> None:
+    first = parse_trace_steps(cfg.monitor.trace_steps)
+    if first and first[0] > cfg.train.max_steps:  # a trace that silently never starts
+        raise UsageError(f"--trace-steps {cfg.monitor.trace_steps}: the run ends at step {cfg.train.max_steps} "
+                         f"(train.max_steps); trace steps up to {cfg.train.max_steps}")
 
 
 def _check_port_free(port: int) -> None:
@@ -189,12 +200,26 @@ def _check_resume(cfg: configuration.Config, run_dir: Path) -> None:
     if problems:
         more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
         raise UsageError(f"--resume: {latest} does not fit this model: " + "; ".join(problems[:4]) + more)
-    saved = checkpoint.read_state(latest).get("run", {})
+    state = checkpoint.read_state(latest)
+    saved = state.get("run", {})
     now = run_info(cfg)
     diffs = [f"{key}: checkpoint {saved.get(key)!r} vs now {now[key]!r}"
              for key in now if saved.get(key) != now[key]]
     if diffs:
         raise UsageError(f"--resume: config incompatible with {latest}: " + "; ".join(diffs))
+    _check_steps_left(cfg, run_dir, state["step"])
+
+
+def _check_steps_left(cfg: configuration.Config, run_dir: Path, step: int) -> None:
+    """A checkpoint past train.max_steps cannot be trained back to it; one at it is a finished run,
+    and resuming it again (a scheduler's retry) has nothing to do rather than failing."""
+    max_steps = cfg.train.max_steps
+    if step > max_steps:
+        raise UsageError(f"--resume: the latest checkpoint of {str(run_dir)!r} is at step {step}, past "
+                         f"--max-steps {max_steps}; give --max-steps above {step} to train on")
+    if step == max_steps:
+        raise NothingToDo(f"{str(run_dir)!r} is already at step {step} = --max-steps: nothing to train (give "
+                          f"--max-steps above {step} to go on; `gradmesh export {run_dir} --out FILE` writes its weights)")
 
 
 def _launch(cfg: configuration.Config, nproc: int, run_dir: Path | None) -> int:
