@@ -41,7 +41,8 @@ def load_text(data_path: str, max_chars: int) -> str:
     parts, total = [], 0
     for file in files:
         try:
-            text = file.read_text(encoding="utf-8")
+            with open(file, encoding="utf-8") as handle:
+                text = handle.read(max_chars - total)  # a huge file is not read whole for its first characters
         except UnicodeDecodeError:
             if strict:
                 raise UsageError(f"data file {str(file)!r} is not UTF-8 text") from None
