@@ -14,6 +14,7 @@ from gradmesh.config import Config
 from gradmesh.data import fetch
 from gradmesh.data.corpus import CharVocab, char_datasets, load_text
 from gradmesh.data.digits import digits_datasets
+from gradmesh.errors import UsageError
 from gradmesh.models import gpt, mlp
 
 
@@ -122,6 +123,9 @@ def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 
 def check_inputs(cfg: Config) -> None:
     """Fail fast (UsageError) on data problems before any worker starts."""
+    if cfg.data.path and cfg.model.name != "gpt-char":  # silently training on other data would mislead
+        raise UsageError(f"data.path {cfg.data.path!r}: {cfg.model.name} trains on its own built-in data; "
+                         "--data is read by gpt-char only")
     if cfg.model.name == "gpt-char":
         text = load_text(cfg.data.path, cfg.data.max_chars)
         char_datasets(text, cfg.model.block_size, cfg.data.eval_fraction)

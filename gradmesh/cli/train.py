@@ -58,7 +58,7 @@ def _add_how_options(train: argparse.ArgumentParser) -> None:
     how.add_argument("--grad-accum", type=integer, metavar="K", help="micro-batches per rank per step (default 1)")
     how.add_argument("--optimizer", choices=configuration.OPTIMIZERS, help="default adamw")
     how.add_argument("--lr", type=number, help="peak learning rate")
-    how.add_argument("--max-steps", type=integer, metavar="N", help="optimizer steps to run (default 600)")
+    how.add_argument("--max-steps", type=integer, metavar="N", help="optimizer steps to run (default 1500)")
     how.add_argument("--seed", type=integer)
     how.add_argument("--eval-every", type=integer, metavar="N", help="held-out evaluation every N steps (default: at the end)")
 
