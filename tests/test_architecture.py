@@ -124,6 +124,15 @@ def test_state_formulas_are_the_zero_papers():
     assert tp == 16 * (200 + 800 / n)
 
 
+def test_a_plans_state_per_rank_composes_its_rows():
+    """What the pre-launch memory check multiplies by the ranks sharing a machine."""
+    size = registry.ModelSize(params=1000, tp_params=800)
+    assert registry.resolve("zero1", {"dp": 4}).state_bytes(size) == 10_000
+    assert registry.resolve("ddp", {"dp": 2, "tp": 2}).state_bytes(size) == 16 * (200 + 800 / 2)
+    assert registry.resolve("ddp", {"fsdp": 2, "tp": 2}).state_bytes(size) == 16 * (200 + 800 / 2) / 2
+    assert registry.resolve("ddp", {"dp": 2, "pp": 2}).state_bytes(size) == 16_000 / 2
+
+
 class _Recorded(Reducer):
     name = "fake"
 

@@ -1,9 +1,11 @@
-"""Bad input: one line naming the problem, exit code 2, no traceback, before any worker starts.
+"""Bad input: one line naming the problem, exit code 2, no traceback, before any worker starts,
+and nothing created, changed or deleted (issue 13, item 7: a catalogue of bad inputs).
 
 The cases call `gradmesh.cli.main` in-process (the `cli` fixture fails a test whose input
-starts a process before it is refused); a few go through the real `python -m gradmesh` so the
-entry point itself stays covered."""
+starts a process before it is refused) from inside their tmp folder, which is compared before
+and after; a few go through the real `python -m gradmesh` so the entry point itself stays covered."""
 
+import os
 import socket
 
 import pytest
@@ -17,18 +19,27 @@ def assert_usage_error(result, *words):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1, f"expected one line, got:\n{result.stderr}"
-    assert "Traceback" not in result.stderr and lines[0].startswith("gradmesh")
+    assert "Traceback" not in result.stderr and lines[0].startswith("gradmesh: error: ")
     for word in words:
         assert word in lines[0], lines[0]
 
 
+def snapshot(folder):
+    """Every path under `folder`, with size and modification time for files."""
+    return {str(path.relative_to(folder)): None if path.is_dir() else (path.lstat().st_size, path.lstat().st_mtime_ns)
+            for path in folder.rglob("*")}
+
+
 @pytest.fixture
-def files(tmp_path):
+def files(tmp_path, monkeypatch):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 cr\xe8me ".encode("latin-1") * 50)
+    (tmp_path / "small.txt").write_text("def f(x):\n    return x + 1\n" * 400)  # gpt-char checks in milliseconds
     (tmp_path / "bad.toml").write_text("[model\nn_layer = 2\n")
     (tmp_path / "readonly").mkdir()
     (tmp_path / "readonly" / "file").write_text("x")
+    os.mkfifo(tmp_path / "fifo")  # opening it for reading would wait for a writer forever
+    monkeypatch.chdir(tmp_path)  # whatever a command writes into its working folder shows in the snapshot
     return tmp_path
 
 
@@ -65,9 +76,49 @@ NUMBERS = {
     "endpoint without a port": (["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1"], ["--rdzv-endpoint", "HOST:PORT"]),
     "endpoint port out of range": (["--nnodes", "2", "--rdzv-endpoint", "h:70000"], ["70000", "1 to 65535"]),
     "empty run dir": (["--run-dir", ""], ["run.dir is empty", "--run-dir DIR"]),
+    "Arabic-Indic digits in --trace-steps": (["--trace-steps", "\u0663:\u0664"], ["--trace-steps", "A:B"]),
+    "a whole number past 64 bits": (["--max-steps", str(2**64)], ["train.max_steps", "2^63"]),
+    "negative SGD momentum": (["--optimizer", "sgd", "--set", "train.momentum=-0.5"], ["train.momentum", "[0, 1)"]),
+    "node rank past the machines": (["--nnodes", "2", "--rdzv-endpoint", "h:29400", "--node-rank", "2"],
+                                    ["--node-rank 2", "0..1"]),
+    "negative node rank": (["--node-rank", "-5"], ["--node-rank -5", "0..0"]),
+    "static rendezvous without node ranks": (["--nnodes", "2", "--rdzv-endpoint", "h:29400", "--rdzv-backend", "static"],
+                                             ["static", "--node-rank R"]),
+    "a trace past the last step": (["--max-steps", "10", "--trace-steps", "20:21"], ["--trace-steps 20:21", "step 10"]),
+    # The meta-device model is counted, never allocated: ~3 TiB of parameters, gradients and Adam state.
+    "model too big for the machine": (["--data", "{tmp}/small.txt", "--set", "model.n_layer=2", "--set", "model.n_embd=65536"],
+                                      ["does not fit", "GiB", "model.n_layer", "--strategy fsdp", "--nnodes"]),
+    "sharded model too big for the machine": (["--data", "{tmp}/small.txt", "--strategy", "fsdp", "--set", "model.n_layer=2",
+                                               "--set", "model.n_embd=65536"], ["does not fit", "fsdp", "--nnodes"]),
 }
-CASES.update({name: ([a.encode().decode("unicode_escape") for a in args], words)
-              for name, (args, words) in NUMBERS.items()})
+# What would block or read forever (issue 13): refused from os.stat, before anything opens it.
+SPECIAL_FILES = {
+    "FIFO as --config": (["--config", "{tmp}/fifo"], ["fifo", "a FIFO", "TOML file"]),
+    "device as --config": (["--config", "/dev/null"], ["/dev/null", "a character device"]),
+    "folder as --config": (["--config", "{tmp}/readonly"], ["readonly", "is a folder"]),
+    "FIFO as --data": (["--data", "{tmp}/fifo"], ["fifo", "a FIFO", "text file"]),
+    "endless device as --data": (["--data", "/dev/zero"], ["/dev/zero", "a character device"]),
+    "too little text for one sample": (["--data", "{tmp}/small.txt", "--set", "data.max_chars=1"], ["too few", "block_size"]),
+    "--data with a model that reads none": (["--model", "mlp-digits", "--data", "{tmp}/small.txt"], ["data.path", "gpt-char only"]),
+}
+CASES.update(NUMBERS)
+CASES.update(SPECIAL_FILES)
+# The other commands, whole command lines.
+COMMANDS = {
+    "export into a FIFO": (["export", "{tmp}", "--out", "{tmp}/fifo"], ["--out", "a FIFO"]),
+    "export onto a folder": (["export", "{tmp}", "--out", "{tmp}/readonly"], ["--out", "is a folder"]),
+    "export of a missing run": (["export", "{tmp}/nope", "--out", "x.safetensors"], ["nope", "does not exist"]),
+    "export of a folder without checkpoints": (["export", "{tmp}/readonly", "--out", "x.safetensors"], ["no complete checkpoint"]),
+    "export step in Devanagari digits": (["export", "{tmp}", "--out", "x.safetensors", "--step", "\u0967"], ["--step", "ASCII"]),
+    "run a FIFO": (["run", "{tmp}/fifo"], ["script", "a FIFO"]),
+    "run a device": (["run", "/dev/zero"], ["script", "a character device"]),
+    "run with a malformed endpoint": (["run", "--nnodes", "2", "--rdzv-endpoint", "h", "{tmp}/small.txt"], ["--rdzv-endpoint 'h'"]),
+    "monitor a FIFO": (["monitor", "{tmp}/fifo"], ["run dir", "a FIFO"]),
+    "monitor port 0": (["monitor", "{tmp}", "--port", "0"], ["--port", "65535"]),
+    "report of a device": (["report", "/dev/null"], ["run dir", "a character device"]),
+    "report of a folder without metrics": (["report", "{tmp}/readonly"], ["no metrics.jsonl"]),
+    "unknown command": (["fly"], ["invalid choice", "train"]),
+}
 
 
 def train_args(name, files):
@@ -81,18 +132,28 @@ def train_args(name, files):
 @pytest.mark.parametrize("name", CASES)
 def test_bad_input_is_one_clear_line_with_exit_code_2(name, files, cli):
     args, words = train_args(name, files)
+    before = snapshot(files)
     assert_usage_error(cli(*args), *words)
-    assert not (files / "run").exists()  # refused before the run directory is made
+    assert snapshot(files) == before  # refused before the run directory (or anything else) is made
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_bad_input_to_the_other_commands(name, files, cli):
+    args, words = COMMANDS[name]
+    before = snapshot(files)
+    assert_usage_error(cli(*[a.replace("{tmp}", str(files)) for a in args]), *words)
+    assert snapshot(files) == before
 
 
 def test_a_prometheus_port_in_use_is_refused_before_launch(files, cli):
+    before = snapshot(files)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = cli("train", "--prometheus-port", str(port), "--run-dir", str(files / "run"))
+        result = cli("train", "--prometheus-port", str(port), "--run-dir", str(files / "run"), "--data", "small.txt")
     assert_usage_error(result, f"--prometheus-port {port}", "not free")
-    assert not (files / "run").exists()
+    assert snapshot(files) == before
 
 
 def test_bad_input_through_the_real_entry_point(files):
@@ -101,12 +162,36 @@ def test_bad_input_through_the_real_entry_point(files):
     assert_usage_error(gradmesh(*args, timeout=60), *words)
 
 
-def test_resume_into_a_model_of_another_shape_names_the_tensors(catalogue, cli, tmp_path):
-    run = copy_run(half_run(catalogue, 1), tmp_path / "run")  # TINY: n_embd=32, global batch 16
-    result = cli("train", "--run-dir", str(run), "--resume", "--set", "model.n_embd=64")
-    assert_usage_error(result, "does not fit", "wte.weight [94, 32] in checkpoint vs [94, 64] now")
-    result = cli("train", "--run-dir", str(run), "--resume", "--global-batch-size", "12")
-    assert_usage_error(result, "incompatible", "global_batch_size")
+# Resuming a run stopped at step 10 (TINY: n_embd=32, global batch 16).
+RESUME = {
+    "resume into a model of another shape": (["--set", "model.n_embd=64"],
+                                             ["does not fit", "wte.weight [94, 32] in checkpoint vs [94, 64] now"]),
+    "resume with another batch size": (["--global-batch-size", "12"], ["incompatible", "global_batch_size"]),
+    "resume below the checkpoint's step": (["--max-steps", "7"], ["step 10", "--max-steps 7", "above 10"]),
+}
+
+
+@pytest.fixture
+def stopped_run(catalogue, tmp_path):
+    return copy_run(half_run(catalogue, 1), tmp_path / "run")
+
+
+@pytest.mark.parametrize("name", RESUME)
+def test_bad_resume_is_refused_and_touches_nothing(name, stopped_run, cli):
+    args, words = RESUME[name]
+    before = snapshot(stopped_run)
+    assert_usage_error(cli("train", "--run-dir", str(stopped_run), "--resume", *args), *words)
+    assert snapshot(stopped_run) == before
+
+
+def test_resuming_a_finished_run_has_nothing_to_do(stopped_run, cli):
+    """--max-steps equal to the checkpoint's step (here from the saved config.toml): a finished run,
+    so a scheduler's retry succeeds without starting a worker or touching the run."""
+    before = snapshot(stopped_run)
+    result = cli("train", "--run-dir", str(stopped_run), "--resume")
+    assert result.returncode == 0 and result.stderr.count("\n") == 1, result.stderr
+    assert "already at step 10" in result.stderr and "nothing to train" in result.stderr
+    assert snapshot(stopped_run) == before
 
 
 def test_run_with_a_missing_script(tmp_path, cli):

@@ -63,7 +63,7 @@ def run_dir(tmp_path):
 def assert_one_line_error(result, *words):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and lines[0].startswith("gradmesh"), result.stderr
+    assert len(lines) == 1 and lines[0].startswith("gradmesh: error: "), result.stderr
     for word in words:
         assert word in lines[0], lines[0]
 
