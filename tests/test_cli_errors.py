@@ -156,6 +156,16 @@ def test_a_prometheus_port_in_use_is_refused_before_launch(files, cli):
     assert snapshot(files) == before
 
 
+def test_a_dashboard_port_in_use_beyond_loopback_is_one_line(files, cli):
+    """The --host warning comes only once listening, so it never joins the error."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = cli("monitor", str(files), "--host", "0.0.0.0", "--port", str(port))
+    assert_usage_error(result, f"0.0.0.0:{port}")
+
+
 def test_bad_input_through_the_real_entry_point(files):
     """`python -m gradmesh`: the exit code and the one line reach the shell."""
     args, words = train_args("unknown --set key", files)

@@ -137,7 +137,7 @@ def test_monitor_usage_errors(cli, tmp_path):
 def test_monitor_warns_when_it_listens_beyond_this_machine(cli, tmp_path, monkeypatch):
     import gradmesh.monitor.dashboard as dashboard
 
-    monkeypatch.setattr(dashboard, "serve", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dashboard, "serve", lambda run_dir, host, port, on_ready: on_ready(f"http://{host}:{port}/"))
     assert cli("monitor", str(tmp_path)).stderr == ""
     warned = cli("monitor", str(tmp_path), "--host", "0.0.0.0").stderr.strip().splitlines()
     assert len(warned) == 1 and "warning: --host 0.0.0.0" in warned[0] and "no authentication" in warned[0]

@@ -27,11 +27,15 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from gradmesh.monitor.dashboard import serve
 
     run_dir = existing_run_dir(args.run_dir)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"gradmesh monitor: warning: --host {args.host} lets anyone who can reach this machine read the "
-              "dashboard (no authentication); the default 127.0.0.1 keeps it to this machine", file=sys.stderr, flush=True)
-    serve(run_dir, args.host, args.port,
-          on_ready=lambda url: print(f"gradmesh monitor: {run_dir} at {url} (Ctrl-C to stop)", flush=True))
+
+    def ready(url: str) -> None:
+        # Warned only once listening: a host or port it cannot listen on stays a one-line error.
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"gradmesh monitor: warning: --host {args.host} lets anyone who can reach this machine read the "
+                  "dashboard (no authentication); the default 127.0.0.1 keeps it to this machine", file=sys.stderr, flush=True)
+        print(f"gradmesh monitor: {run_dir} at {url} (Ctrl-C to stop)", flush=True)
+
+    serve(run_dir, args.host, args.port, on_ready=ready)
     return 0
 
 
