@@ -166,6 +166,25 @@ def test_a_dashboard_port_in_use_beyond_loopback_is_one_line(files, cli):
     assert_usage_error(result, f"0.0.0.0:{port}")
 
 
+def test_the_memory_estimate_is_per_gpu_on_cuda_and_per_machine_on_cpu(monkeypatch):
+    """mlp-digits with 80,000 hidden units: 6.4e9 parameters, ~96 GiB of fp32 Adam state in all."""
+    from gradmesh import config, topology, workloads
+    from gradmesh.cli.memory import check_memory
+    from gradmesh.errors import UsageError
+    from gradmesh.parallel import registry
+
+    cfg = config.build([{"model": {"name": "mlp-digits", "hidden": 80_000}}])
+    ddp, fsdp = registry.resolve("ddp", {"dp": 8}), registry.resolve("fsdp", {"fsdp": 8})
+    monkeypatch.setattr(topology, "memory_bytes", lambda device: 80 * 2**30)
+    with pytest.raises(UsageError, match="each GPU has 80.0 GiB"):
+        check_memory(cfg, ddp, lambda: workloads.meta_model(cfg), 8, "cuda")  # a whole replica per GPU
+    check_memory(cfg, fsdp, lambda: workloads.meta_model(cfg), 8, "cuda")  # an eighth per GPU
+    monkeypatch.setattr(topology, "memory_bytes", lambda device: 200 * 2**30)
+    with pytest.raises(UsageError, match=r"~763\.7 GiB .* 8 rank\(s\) sharing .* this machine has 200\.0 GiB"):
+        check_memory(cfg, ddp, lambda: workloads.meta_model(cfg), 8, "cpu")  # eight replicas in one RAM
+    check_memory(cfg, fsdp, lambda: workloads.meta_model(cfg), 8, "cpu")  # the eight shards together
+
+
 def test_bad_input_through_the_real_entry_point(files):
     """`python -m gradmesh`: the exit code and the one line reach the shell."""
     args, words = train_args("unknown --set key", files)
