@@ -49,7 +49,7 @@ def trace_steps(text: str) -> None:
 
 
 def rendezvous(launch) -> None:
-    """How the machines of a job find each other: the endpoint and the node ranks."""
+    """How the machines of a job find each other: the endpoint, the node ranks and the job id."""
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
         raise UsageError("launch.nnodes > 1 needs --rdzv-endpoint HOST:PORT")
     host, _, port = launch.rdzv_endpoint.rpartition(":")
@@ -61,3 +61,5 @@ def rendezvous(launch) -> None:
                          f"0..{launch.nnodes - 1} (or -1: assigned by the rendezvous)")
     if launch.rdzv_backend == "static" and launch.nnodes > 1 and launch.node_rank < 0:
         raise UsageError("--rdzv-backend static needs --node-rank R on every machine (0..nnodes-1)")
+    if not launch.rdzv_id.strip():
+        raise UsageError("launch.rdzv_id is empty: give --rdzv-id ID, the same on every machine of the job")
