@@ -37,6 +37,9 @@ def describe(progress: int) -> str:
     return f"step {step}, micro-batch {micro}, {where}"
 
 
+STAND_BY_LIMIT = 5
+
+
 class Watchdog:
     def __init__(self, timeout: float, rank: int, world_size: int, run_dir: Path | None, poll: float = 0.25):
         self.timeout, self.rank, self.world_size, self.poll = timeout, rank, world_size, poll
@@ -48,6 +51,8 @@ class Watchdog:
         self.inplace = inplace.enabled()
         self.ranks = list(range(world_size))
         """Original ranks still in the job (in-place recovery drops lost ones)."""
+        self.standing: tuple[dict, int] = ({}, 0)
+        """(everyone's progress, how many timeouts in a row it has not changed) while standing by."""
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="gradmesh-watchdog", daemon=True)
         self.thread.start()
@@ -81,12 +86,22 @@ class Watchdog:
                 return
 
     def _stand_by_or_leave(self) -> None:
-        """In-place recovery: the ranks that did not arrive leave; the rest wait to regroup."""
+        """In-place recovery: the ranks that did not arrive leave; the rest wait to regroup.
+
+        A regroup comes within a collective timeout (the step timeout, in this mode). A rank
+        that has stood by for STAND_BY_LIMIT timeouts while no rank moved leaves too: it is the
+        stuck one (alone, or behind a rank whose progress it cannot see), and the launcher then
+        replaces it or ends the run — a job must not hang."""
         progress = self._others()
-        ahead = max(progress.values())
-        if self.progress < ahead:
+        if self.progress < max(progress.values()) or self._stood_by_too_long(progress):
             self._report(first=True)
         self.moved = time.monotonic()  # waiting on the missing rank: re-arm
+
+    def _stood_by_too_long(self, progress: dict[int, int]) -> bool:
+        if progress != self.standing[0]:
+            self.standing = (progress, 0)
+        self.standing = (progress, self.standing[1] + 1)
+        return self.standing[1] > STAND_BY_LIMIT
 
     def _others(self) -> dict[int, int]:
         progress = {self.rank: self.progress}
