@@ -42,10 +42,10 @@ MODES = {  # name: (steps per planned fault, flags, chaos extras); in place, fau
 }
 
 
-def train(run_dir: Path, nproc: int, steps: int, *extra: str) -> subprocess.CompletedProcess:
+def train(run_dir: Path, nproc: int, steps: int, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "gradmesh", "train", "--nproc", str(nproc), "--max-steps", str(steps),
            "--run-dir", str(run_dir), "--overwrite", *COMMON, *extra]
-    return subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
 
 def batches(run_dir: Path) -> dict[int, Counter]:
@@ -86,8 +86,16 @@ def soak(root: Path, name: str, seed: int, faults: int) -> dict:
         if not (run_dir / "model.safetensors").exists():
             train(run_dir, nproc, steps, "--step-timeout", "2")
     run_dir = root / name.split()[0]
-    train(run_dir, 2, steps, *flags, "--step-timeout", "2", "--inject", f"chaos:faults={faults},seed={seed}{extra}")
+    done = train(run_dir, 2, steps, *flags, "--step-timeout", "2", "--inject", f"chaos:faults={faults},seed={seed}{extra}",
+                 check=False)
+    (run_dir / "launcher.log").write_text(done.stdout + done.stderr)
     fired = [e for e in lines(run_dir / "faults.jsonl") if e.get("fault", "").startswith("chaos#")]
+    if done.returncode != 0:
+        print(f"{name}: the run failed (exit {done.returncode}) after {len(fired)} faults; last lines:\n"
+              + "\n".join(done.stderr.strip().splitlines()[-8:]), file=sys.stderr)
+        return {"mode": name, "steps": steps, "faults_planned": faults, "faults_injected": len(fired), "kinds": {},
+                "at_checkpoint": 0, "rank0_hit": 0, "survived": False, "lost_mean_s": 0.0, "lost_worst_s": 0.0,
+                "samples_lost": -1, "rel_l2": float("nan"), "floor": float("nan"), "exit": done.returncode}
     lost = time_lost(run_dir, fired)
     kinds = Counter(e["fault"].split(":")[1].split("@")[0] for e in fired)
     return {"mode": name, "steps": steps, "faults_planned": faults, "faults_injected": len(fired),
@@ -102,9 +110,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--faults", type=int, default=50)
     parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--mode", choices=tuple(MODES), action="append", help="only these (default: all)")
+    parser.add_argument("--keep", metavar="DIR", help="keep the run directories in DIR (default: a temporary folder)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        results = [soak(Path(tmp), name, args.seed, args.faults) for name in MODES]
+        root = Path(args.keep or tmp)
+        results = [soak(root, name, args.seed, args.faults) for name in args.mode or MODES]
     table = Table(title=f"chaos soak: {args.faults} planned faults, seed {args.seed}, 2 workers")
     for column in ("recovery", "steps", "injected (kill/hang/slow)", "mid-checkpoint", "rank 0 hit", "survived",
                    "time lost / fault, mean", "worst", "samples lost", "rel. L2 vs fault-free", "2 x floor"):

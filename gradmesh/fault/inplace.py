@@ -115,17 +115,18 @@ class Membership:
         while True:
             try:
                 newest = whole(store.get(GENERATION), "the newest generation")
-                if newest > self.generation and newest > self.lost_at:
-                    with self.lock:
-                        current = set(self.members)
-                    if not current <= set(members_of(store, newest)):
-                        self._fail_pending(newest)
+                with self.lock:  # one consistent view: the main thread may be entering a generation
+                    generation, current = self.generation, set(self.members)
+                if newest > generation and newest > self.lost_at and not current <= set(members_of(store, newest)):
+                    self._fail_pending(newest, seen_in=generation)
             except Exception:  # the launcher and its store are gone: the job is over
                 return
             time.sleep(poll)
 
-    def _fail_pending(self, generation: int) -> None:
+    def _fail_pending(self, generation: int, seen_in: int) -> None:
         with self.lock:
+            if self.generation != seen_in:
+                return  # regrouped past that loss meanwhile: failing the new group's step would be spurious
             self.lost_at = generation
             pending, self.pending = self.pending, set()
         for future in pending:

@@ -37,6 +37,8 @@ class InplaceRecovery(Service):
                 return self.ctx.engine.step(batch, probe)
             except RuntimeError as err:  # gloo reports a lost peer as a RuntimeError subclass
                 self.ctx.engine.abandon_step()  # the failed step never reached the optimizer
+                for service in self.services:
+                    service.regrouping()
                 self.membership.next()
                 self.regroup(err)
 

@@ -28,10 +28,15 @@ from gradmesh.topology import job_store
 
 EXIT_HANG = 3
 PHASES = ("started", "forward done", "backward done", "optimizer done")
+REGROUPING = 9_999
+"""In-place recovery: this rank's part of the step failed and it waits for the next group — ahead
+of every phase of the step, so a rank that hung anywhere in it is the one behind."""
 
 
 def describe(progress: int) -> str:
     step, rest = divmod(progress, 10_000)
+    if rest == REGROUPING:
+        return f"step {step}, waiting to regroup"
     micro, phase = divmod(rest, 10)
     where = PHASES[phase] if phase < len(PHASES) else f"phase {phase}"
     return f"step {step}, micro-batch {micro}, {where}"
@@ -61,6 +66,14 @@ class Watchdog:
         self.progress, self.moved = step * 10_000 + micro * 10 + phase, time.monotonic()
         if self.store:
             self.store.set(f"{self.prefix}progress/{self.rank}", str(self.progress))
+
+    def regrouping(self, step: int) -> None:
+        """In-place recovery waits for the next group (it has a timeout of its own): published as
+        ahead of the step, and the clock stopped."""
+        self.progress = step * 10_000 + REGROUPING
+        if self.store:
+            self.store.set(f"{self.prefix}progress/{self.rank}", str(self.progress))
+        self.pause()
 
     def pause(self) -> None:
         """Not in a step (evaluation, checkpoint at the end): the clock stops."""

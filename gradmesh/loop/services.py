@@ -38,6 +38,9 @@ class Service:
     def start(self, first_step: int) -> None:
         """After the run directory is prepared and any checkpoint loaded."""
 
+    def regrouping(self) -> None:
+        """In-place recovery: this worker's step failed; it waits for the next group."""
+
     def before_step(self, step: int) -> None:
         pass
 
@@ -108,6 +111,9 @@ class WatchdogService(Service):
 
     def after_step(self, outcome: StepOutcome, elapsed: float) -> None:
         self.watchdog.pause()
+
+    def regrouping(self) -> None:
+        self.watchdog.regrouping(self.step)
 
     def regrouped(self) -> None:
         self.watchdog.ranks = list(self.membership.members)
