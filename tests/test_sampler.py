@@ -70,3 +70,15 @@ def test_the_largest_accepted_seed_gives_an_order():
     """Config accepts seeds up to 2^63 - 1; the per-epoch generator seed derived from it must fit too."""
     sampler = GlobalOrderSampler(10, 4, seed=2**63 - 1)
     assert sorted(i for _ in range(3) for i in sampler.next_batch(0, 1, 1).indices) == list(range(10))
+
+
+def test_the_state_before_the_newest_batch_draws_that_batch_again_across_an_epoch_end():
+    """In-place recovery hands a newcomer this state while the members redo a failed step."""
+    from gradmesh.data.sampler import GlobalOrderSampler
+
+    sampler = GlobalOrderSampler(dataset_len=50, global_batch_size=16, seed=3)
+    for _ in range(3):
+        batch = sampler.next_global()  # the third is the last of epoch 0 (3 batches of 16 in 50)
+        again = GlobalOrderSampler(dataset_len=50, global_batch_size=16, seed=3)
+        again.load_state_dict(sampler.state_before(batch))
+        assert again.next_global().indices == batch.indices and again.state_dict() == sampler.state_dict()

@@ -101,6 +101,11 @@ class GlobalOrderSampler:
             "step": self.step,
         }
 
+    def state_before(self, batch: GlobalBatch) -> dict:
+        """The state as it was just before `batch`, the newest batch drawn, was drawn."""
+        back = self.batch_in_epoch - 1 if self.batch_in_epoch else self.batches_per_epoch - 1
+        return dict(self.state_dict(), step=batch.step, epoch=batch.epoch, batch_in_epoch=back)
+
     def load_state_dict(self, state: dict) -> None:
         for key in ("dataset_len", "global_batch_size", "seed"):
             if state[key] != getattr(self, key):

@@ -24,12 +24,13 @@ def _to_cpu(value):
     return value
 
 
-def hand_over(group, is_main: bool, is_newcomer: bool, optimizer, sampler,
+def hand_over(group, is_main: bool, is_newcomer: bool, optimizer, sampler, position: dict,
               pending: list[StepRecord]) -> list[StepRecord]:
-    """Collective over `group` (every member of the new group); returns the records to resend."""
+    """Collective over `group` (every member of the new group); returns the records to resend.
+    `position`: the sampler state a newcomer starts from."""
     payload = [None]
     if is_main:
-        payload = [{"optimizer": _to_cpu(optimizer.state_dict()), "sampler": sampler.state_dict(),
+        payload = [{"optimizer": _to_cpu(optimizer.state_dict()), "sampler": position,
                     "pending": [(r.step, r.epoch, r.size, r.samples, r.lr, r.elapsed, r.finished) for r in pending]}]
     dist.broadcast_object_list(payload, src=0, group=group)
     if not is_newcomer:

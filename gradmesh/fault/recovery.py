@@ -40,13 +40,14 @@ class InplaceRecovery(Service):
                 for service in self.services:
                     service.regrouping()
                 self.membership.next()
-                self.regroup(err)
+                self.regroup(err, in_flight=batch)
 
-    def regroup(self, err: Exception | None) -> None:
+    def regroup(self, err: Exception | None, in_flight=None) -> None:
         """Form the group of the membership's current generation and go on from the same step.
 
         Parameters and optimizer state are untouched by a failed step; newcomers get the state
-        from the new rank 0."""
+        from the new rank 0. `in_flight`: the global batch of the failed step, which the members
+        redo (a newcomer admitted in the same regroup starts with it too)."""
         membership = self.membership
         while True:
             if membership.identity not in membership.members:
@@ -62,15 +63,19 @@ class InplaceRecovery(Service):
         self.ctx.engine.rebuild(topo)  # rank 0's weights to all (DDP's construction broadcast)
         for service in self.services:
             service.regrouped()
-        self.after_regroup(pending)
+        self.after_regroup(pending, in_flight)
 
-    def after_regroup(self, pending: list) -> None:
+    def after_regroup(self, pending: list, in_flight=None) -> None:
         """Every member of a new group, the newcomers included, runs this in the same order."""
         membership, topo = self.membership, self.ctx.topology
         if membership.newcomers:
+            # The sampler as it was before the batch being redone: the newcomer draws that batch
+            # next and so works on the same step as the members, not the one after.
+            position = self.sampler.state_before(in_flight) if in_flight is not None else self.sampler.state_dict()
             pending = hand_over(topo.side_group("metrics"), topo.is_main, self.ctx.identity in membership.newcomers,
-                                self.ctx.engine.optimizer, self.sampler, pending)
-        where = torch.tensor([self.sampler.step, -self.sampler.step], dtype=torch.int64)
+                                self.ctx.engine.optimizer, self.sampler, position, pending)
+        step = in_flight.step if in_flight is not None else self.sampler.step  # the step each member is at
+        where = torch.tensor([step, -step], dtype=torch.int64)
         dist.all_reduce(where, op=dist.ReduceOp.MIN, group=topo.group("world"))
         if where[0].item() != -where[1].item():
             raise RuntimeError("in-place recovery: the members stopped at different steps; use --recovery restart")
