@@ -66,6 +66,27 @@ def open_append(path: str | Path, buffering: int = -1):
     return handle
 
 
+def abandoned_temporaries(folder: Path) -> list[Path]:
+    """Temporary files of atomic writes whose writer is gone (a crash cut them short). A live
+    writer's are left alone: the launchers of a multi-node job share the run directory."""
+    found = []
+    for path in Path(folder).glob(f"{TMP_PREFIX}*"):
+        pid = path.name.rsplit("-", 2)[-2] if path.name.count("-") >= 2 else ""
+        if not (pid.isascii() and pid.isdigit() and _alive(int(pid))):
+            found.append(path)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
 @contextmanager
 def replacing(path: str | Path) -> Iterator[Path]:
     """A temporary path beside `path` for a writer that wants a path of its own (safetensors);

@@ -88,7 +88,7 @@ def clear_previous_run(run_dir: str | Path) -> list[Path]:
     run_dir = Path(run_dir)
     old = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
     old += [p for pattern in RANK_FILE_PATTERNS for p in run_dir.glob(pattern)]
-    old += list(run_dir.glob(f"{files.TMP_PREFIX}*"))  # atomic writes a crash cut short
+    old += files.abandoned_temporaries(run_dir)  # atomic writes a crash cut short
     old += [run_dir / name for name in RUN_DIRS if (run_dir / name).exists()]
     for path in old:
         shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -96,12 +96,20 @@ def test_a_write_that_fails_midway_leaves_the_old_file(tmp_path, monkeypatch):
 
 
 def test_a_fresh_start_clears_a_crashed_write_and_counts_it_as_gradmeshs(tmp_path):
+    import os
+    import subprocess
+    import sys
+
     assert files.TMP_PREFIX.startswith(rundir.OWN_PREFIX)
-    leftover = tmp_path / f"{files.TMP_PREFIX}summary.json-123-abcd"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = tmp_path / f"{files.TMP_PREFIX}summary.json-{int(dead.stdout)}-abcd"
     leftover.write_text("half")
+    # a live writer's temporary (another node's launcher writing config.toml into a shared run dir)
+    in_flight = tmp_path / f"{files.TMP_PREFIX}config.toml-{os.getpid()}-beef"
+    in_flight.write_text("being written")
     rundir.check_fresh(tmp_path, overwrite=False)  # nothing but gradmesh's own files: counts as empty
     rundir.start_fresh(tmp_path)  # claims the folder
-    assert rundir.start_fresh(tmp_path) == [leftover] and not leftover.exists()
+    assert rundir.start_fresh(tmp_path) == [leftover] and not leftover.exists() and in_flight.exists()
 
 
 def test_a_record_appended_after_a_torn_line_starts_a_line_of_its_own(tmp_path):
