@@ -67,6 +67,7 @@ def test_a_file_with_nothing_to_drop_is_not_rewritten(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", lambda *args: pytest.fail("rewrote an intact file"))
     rundir.truncate_steps(path, 4)
     rundir.truncate_steps(tmp_path / "alerts.jsonl", 2)  # a file this run never wrote
+    assert path.read_bytes() == lines(ROWS) and not (tmp_path / "alerts.jsonl").exists()
 
 
 @pytest.mark.parametrize("data", ["new text, é", b"\x00new bytes"])

@@ -41,9 +41,9 @@ def _injector(trainer, faults: FaultConfig) -> Injector:
     if chaos:
         planned += plan_chaos(chaos, trainer.train.max_steps, trainer.checkpointing.every)
         pace = chaos.pace
-    topo = trainer.ctx
+    ctx = trainer.ctx  # its topology is renumbered in place by in-place recovery: read it when asked
     return Injector(planned, trainer.session.identity, trainer.run_dir, pace=pace, spare_last=faults.recovery == "inplace",
-                    position=lambda: (topo.topology.rank, topo.topology.world_size))
+                    position=lambda: (ctx.topology.rank, ctx.topology.world_size))
 
 
 def services(trainer, faults: FaultConfig) -> Services:
