@@ -52,8 +52,11 @@ def start_fresh(run_dir: str | Path, overwrite: bool = False) -> list[Path]:
     check_fresh(run_dir, overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not is_gradmesh_run(run_dir):
-        with open(run_dir / MARKER, "x") as marker:  # exclusive: two launchers never both claim it
-            json.dump({"run_id": uuid.uuid4().hex, "created": time.time()}, marker)
+        try:
+            with open(run_dir / MARKER, "x") as marker:  # exclusive: two launchers never both claim it
+                json.dump({"run_id": uuid.uuid4().hex, "created": time.time()}, marker)
+        except FileExistsError:
+            pass  # a peer launcher of the same multi-node job claimed it a moment ago
         return []
     return clear_previous_run(run_dir)
 
@@ -90,9 +93,14 @@ def clear_previous_run(run_dir: str | Path) -> list[Path]:
     old += [p for pattern in RANK_FILE_PATTERNS for p in run_dir.glob(pattern)]
     old += files.abandoned_temporaries(run_dir)  # atomic writes a crash cut short
     old += [run_dir / name for name in RUN_DIRS if (run_dir / name).exists()]
-    for path in old:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in old:  # a peer launcher of a multi-node job may be removing the same files
+        shutil.rmtree(path, onerror=_gone_already) if path.is_dir() else path.unlink(missing_ok=True)
     return old
+
+
+def _gone_already(function, path, exc_info) -> None:
+    if not issubclass(exc_info[0], FileNotFoundError):
+        raise exc_info[1]
 
 
 def truncate_steps(path: Path, last_step: int) -> None:

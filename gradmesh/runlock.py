@@ -12,11 +12,14 @@ import fcntl
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 from gradmesh.errors import UsageError
 
 LOCK = ".gradmesh-lock"
+NAMING_S = 2.0
+"""How long a lock may stand unnamed before it is refused as held by an unknown process."""
 
 
 def _holder(path: Path) -> dict:
@@ -64,7 +67,7 @@ class RunLock:
                 os.close(fd)
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                     raise
-                holder = _holder(self.path)
+                holder = self._named_holder()
                 if self.job and holder.get("job") == self.job:
                     return self  # a peer launcher of the same multi-node job
                 raise _refuse(self.run_dir, holder) from None
@@ -75,6 +78,15 @@ class RunLock:
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "job": self.job}).encode())
         self.fd = fd
         return self
+
+    def _named_holder(self) -> dict:
+        """The holder as its file names it. A holder writes its name just after taking the lock,
+        so an empty file is read again for a moment: the launchers of a multi-node job start
+        together, and a peer read the file between the two and refused its own job."""
+        deadline = time.monotonic() + NAMING_S
+        while not (holder := _holder(self.path)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return holder
 
     def release(self) -> None:
         if self.fd is None:

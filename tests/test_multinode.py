@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -15,6 +16,22 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def finish(nodes: list[subprocess.Popen], timeout: float) -> str:
+    """Wait for every node; a node still running at the timeout is killed. Returns every node's
+    stderr, so that a failure shows what each launcher said (one that hangs waits for another)."""
+    deadline = time.monotonic() + timeout
+    errors = []
+    for node, proc in enumerate(nodes):
+        try:
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            err += f"\n[killed after {timeout:.0f} s]"
+        errors.append(f"--- node {node} (exit {proc.returncode}):\n{err[-4000:]}")
+    return "\n".join(errors)
 
 
 @pytest.mark.slow  # two launchers and a rendezvous per case; 2-rank parity on one node stays in the fast tier
@@ -32,7 +49,6 @@ def test_two_nodes_train_like_one_process(catalogue, tmp_path, backend):
             cmd += ["--node-rank", str(node)]
         nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       env=dict(os.environ, PYTHONUNBUFFERED="1")))
-    for proc in nodes:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
+    errors = finish(nodes, timeout=180)
+    assert [proc.returncode for proc in nodes] == [0, 0], errors
     assert rel_l2(weights(tmp_path / "two"), weights(one)) <= 1e-5

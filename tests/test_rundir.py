@@ -104,3 +104,40 @@ def test_launchers_of_one_multi_node_job_share_the_lock_others_do_not(tmp_path):
             assert f"pid {os.getpid()}" in str(err)
         else:
             raise AssertionError("a launcher of another job took a held lock")
+
+
+def test_a_peer_that_finds_the_lock_not_yet_named_waits_for_the_name(tmp_path):
+    """The launchers of a multi-node job start together: one may find the lock taken but its file
+    still empty (the holder names itself just after flock). It must read again, not refuse."""
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, json, os, sys, time
+fd = os.open({str(tmp_path / LOCK)!r}, os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(0.5)
+os.write(fd, json.dumps({{"pid": os.getpid(), "host": "h", "job": "a:1/job"}}).encode())
+sys.stdin.read()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert RunLock(tmp_path, job="a:1/job").acquire().fd is None  # a peer, once the name appears
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
+
+
+def test_two_peers_claiming_a_new_folder_at_once_both_go_on(tmp_path, monkeypatch):
+    from gradmesh import rundir
+
+    rundir.start_fresh(tmp_path / "run")
+    monkeypatch.setattr(rundir, "is_gradmesh_run", lambda run_dir: False)  # the peer looked before the marker came
+    assert rundir.start_fresh(tmp_path / "run") == []
+    monkeypatch.undo()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+
+    def peer_removes_it_meanwhile(folder):
+        (tmp_path / "run" / "metrics.jsonl").unlink()
+        return []
+
+    monkeypatch.setattr(rundir.files, "abandoned_temporaries", peer_removes_it_meanwhile)
+    assert rundir.clear_previous_run(tmp_path / "run") == [tmp_path / "run" / "metrics.jsonl"]
