@@ -2,7 +2,8 @@
 
 from gradmesh.errors import UsageError
 
-MESH_AXES = ("dp", "fsdp", "pp", "tp")
+MESH_AXES = ("dp", "fsdp", "pp", "tp", "ps")
+"""ps: parameter servers and their workers (a role axis; it composes with no other)."""
 DATA_AXES = ("dp", "fsdp")
 """The axes that split each global batch."""
 

@@ -4,6 +4,7 @@ reducer chain's logic holds."""
 
 import ast
 import subprocess
+from types import SimpleNamespace
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 
 from gradmesh.comm.reducer import CommCounter, Counted, Guarded, Reducer, Timed, build_reducer
 from gradmesh.errors import UsageError
-from gradmesh.loop.build import check_lockstep
+from gradmesh.loop.trainer import SEGMENT_STEPS, Trainer
 from gradmesh.loop.services import Service
 from gradmesh.mesh import MESH_AXES
 from gradmesh.parallel import registry
@@ -178,10 +179,14 @@ def test_the_guard_fails_the_result_when_a_member_is_lost():
         reducer.average(torch.ones(3), group=None)
 
 
-def test_an_engine_out_of_lockstep_refuses_services_that_need_lockstep():
-    class Gather(Service):
-        lockstep = True
+def test_segments_of_an_engine_out_of_lockstep_end_where_a_service_needs_every_rank():
+    """Checkpoints and evaluations see the model exactly after their step: a segment ends there."""
+    class EveryFour(Service):
+        def wants_all_ranks(self, step):
+            return step % 4 == 0
 
-    check_lockstep([Service()], "ps")
-    with pytest.raises(UsageError, match="Gather"):
-        check_lockstep([Service(), Gather()], "ps")
+    trainer = SimpleNamespace(train=SimpleNamespace(max_steps=130), services=SimpleNamespace(all=[Service()]))
+    assert Trainer._segment_end(trainer, 0) == SEGMENT_STEPS
+    assert Trainer._segment_end(trainer, 120) == 130
+    trainer.services.all.append(EveryFour())
+    assert [Trainer._segment_end(trainer, s) for s in (0, 4, 5)] == [4, 8, 8]

@@ -11,6 +11,7 @@ from gradmesh.paths import checked
 # Command-line flag -> config key. Flags left out stay None and do not override.
 FLAG_KEYS = {
     "model": "model.name", "data": "data.path", "strategy": "train.strategy", "mesh": "train.mesh",
+    "ps_servers": "ps.servers", "ps_mode": "ps.mode",
     "pp_schedule": "train.pp_schedule", "microbatches": "train.microbatches", "pp_split": "train.pp_split",
     "global_batch_size": "train.global_batch_size", "grad_accum": "train.grad_accum",
     "optimizer": "train.optimizer", "lr": "train.lr", "max_steps": "train.max_steps",

@@ -13,6 +13,7 @@ from gradmesh import rundir
 from gradmesh.runlock import RunLock
 from gradmesh.cli.memory import check_memory
 from gradmesh.cli.options import add_launch_options, integer, launch_shape, number, resolve_config
+from gradmesh.config.ps import check_ps_options_need_ps
 from gradmesh.errors import NothingToDo, UsageError
 from gradmesh.files import atomic_write
 from gradmesh.mesh import DATA_AXES
@@ -51,6 +52,8 @@ def _add_how_options(train: argparse.ArgumentParser) -> None:
     how = train.add_argument_group("how to train")
     how.add_argument("--strategy", choices=tuple(registry.STRATEGIES), help="parallelism (default ddp)")
     how.add_argument("--mesh", metavar="AXIS=N,...", help="compose strategies on a named mesh: dp=2,tp=2, fsdp=2,tp=2 or dp=2,pp=2")
+    how.add_argument("--ps-servers", type=integer, metavar="S", help="--strategy ps: ranks that hold the parameters (default 1)")
+    how.add_argument("--ps-mode", metavar="MODE", help="--strategy ps: sync, async or ssp:K (default sync)")
     how.add_argument("--pp-schedule", choices=configuration.PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     how.add_argument("--microbatches", type=integer, metavar="M", help="micro-batches per pipeline step (default 4)")
     how.add_argument("--pp-split", metavar="UNIT,...", help="manual pipeline cut, e.g. h.2 (default: balanced by measured cost)")
@@ -151,6 +154,7 @@ def _job_key(cfg: configuration.Config) -> str:
 
 def _check_parallelism(cfg: configuration.Config, nproc: int, world: int, meta_model) -> registry.Plan:
     """The strategy registry's checks; returns the plan (strategies on a named mesh) the workers build."""
+    check_ps_options_need_ps(cfg, cfg.train.strategy)
     mesh = registry.mesh_for(cfg.train.strategy, world, cfg.train.mesh)
     product = math.prod(mesh.values())
     if product != world:

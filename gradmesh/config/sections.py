@@ -12,6 +12,7 @@ from gradmesh.config import checks as _checks
 from gradmesh.config.checks import finite as _finite
 from gradmesh.config.checks import one_of as _one_of
 from gradmesh.config.checks import positive as _positive
+from gradmesh.config.ps import PSConfig
 from gradmesh.errors import UsageError
 
 MODELS = ("gpt-char", "mlp-digits")
@@ -275,6 +276,7 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def check_world(self, dp_size: int) -> None:

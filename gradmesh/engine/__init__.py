@@ -2,8 +2,8 @@
 
 collective: every rank runs the same step at the same moment (ddp, zero1, fsdp, tp, meshes).
 pipeline: stages on different ranks, micro-batches in flight, still in lockstep.
-A parameter-server engine, whose ranks play roles (servers and workers) and do not run in
-lockstep, takes the third slot here.
+ps: parameter servers and workers, whose ranks play roles and do not run in lockstep; the
+loop runs it a segment of steps at a time (`Engine.run_segment`).
 """
 
 from gradmesh.engine.base import Engine, Job, StepOutcome, StepProbe, lr_factor, peak_memory_bytes
@@ -11,6 +11,7 @@ from gradmesh.engine.base import Engine, Job, StepOutcome, StepProbe, lr_factor,
 ENGINES = {
     "collective": "gradmesh.engine.collective:CollectiveEngine",
     "pipeline": "gradmesh.engine.pipeline:PipelineEngine",
+    "ps": "gradmesh.engine.ps:ParameterServerEngine",
 }
 
 

@@ -48,6 +48,9 @@ class StepProbe:
     beat: Callable[..., None] = _nothing
     in_forward: Callable[[], None] = _nothing
     """Called inside the first micro-batch's forward phase (an injected straggler sleeps here)."""
+    straggle: Callable[[float], None] = _nothing
+    """Called before a piece of work like one that took this many seconds (an injected straggler
+    sleeps in proportion): engines whose ranks do not step together."""
 
 
 @dataclass
@@ -60,6 +63,10 @@ class StepOutcome:
     """The samples this rank consumed."""
     figures: torch.Tensor
     """loss sum, samples counted, model-state bytes, peak memory (float64): the reporter's BASE."""
+    row: dict = field(default_factory=dict)
+    """More columns for the step's metrics row (rank 0's are written), e.g. staleness."""
+    detail: dict = field(default_factory=dict)
+    """More about what this rank did, for its per-rank records (--record-samples)."""
 
     @property
     def step(self) -> int:
@@ -81,6 +88,8 @@ class Job:
     """gradmesh.comm.Reducer: the job's gradient-averaging chain."""
     counter: object = None
     """gradmesh.comm.CommCounter of the job."""
+    ps: object = None
+    """gradmesh.config.PSConfig: servers and mode under the parameter-server strategy."""
 
 
 def lr_factor(step: int, train: TrainConfig) -> float:

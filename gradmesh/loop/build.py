@@ -1,11 +1,11 @@
 """Assembling a run's monitor, services and step probe from its configuration."""
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from gradmesh.comm import CommCounter
 from gradmesh.config import FaultConfig, MonitorConfig
 from gradmesh.engine import StepProbe
-from gradmesh.errors import UsageError
 from gradmesh.chaos import parse_chaos
 from gradmesh.chaos import plan as plan_chaos
 from gradmesh.fault.inject import Injector, parse_faults
@@ -29,7 +29,10 @@ class Services:
 
 def monitor(session, config: MonitorConfig | None, run_dir, plan) -> tuple[Monitor, CommCounter]:
     counter = CommCounter()
-    mon = Monitor(config or MonitorConfig(), run_dir, session.identity, session.topology.is_main,
+    config = config or MonitorConfig()
+    if not plan.step_breakdown:  # its ranks do not step together: no per-step phases to compare
+        config = dataclasses.replace(config, enabled=False)
+    mon = Monitor(config, run_dir, session.identity, session.topology.is_main,
                   same_work=plan.same_work, counter=counter)
     return mon, counter
 
@@ -78,12 +81,6 @@ def services(trainer, faults: FaultConfig) -> Services:
 
 def probe(mon: Monitor, found: Services) -> StepProbe:
     beat = found.watchdog.beat if found.watchdog else StepProbe().beat
-    return StepProbe(mon.clock or NullClock(), beat, found.faults.slow_down)
+    return StepProbe(mon.clock or NullClock(), beat, found.faults.slow_down, found.faults.straggle)
 
 
-def check_lockstep(all_services: list[Service], plan_label: str) -> None:
-    """An engine whose ranks do not run in lockstep cannot run services that need it."""
-    needy = [type(s).__name__ for s in all_services if s.lockstep]
-    if needy:
-        raise UsageError(f"strategy {plan_label} does not run every rank in lockstep, but "
-                         f"{', '.join(needy)} need(s) it; use their per-role variants")

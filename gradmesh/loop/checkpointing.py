@@ -32,8 +32,11 @@ class Checkpointing(Service):
     def regrouped(self) -> None:
         self.checkpointer = self._checkpointer()
 
+    def wants_all_ranks(self, step: int) -> bool:
+        return bool(self.config.every) and step % self.config.every == 0
+
     def after_step(self, outcome, elapsed: float) -> None:
-        if self.config.every and outcome.step % self.config.every == 0:
+        if self.wants_all_ranks(outcome.step):
             self.save(outcome.step)
 
     def save(self, step: int) -> None:

@@ -34,7 +34,7 @@ def finish_run(trainer, start_step: int, wall: float) -> dict:
         "world_size": topo.world_size, "strategy": trainer.plan.label, "peak_memory_bytes": _peak_memory(topo),
         "model_state_bytes": last["model_state_bytes"] if last else [],
         "run_dir": str(trainer.run_dir) if trainer.run_dir else "", **trainer.run_info,
-        **(trainer.monitor.summary(reporting.totals) if topo.is_main else {}),
+        **(trainer.monitor.summary(reporting.totals) if topo.is_main else {}), **reporting.totals.staleness(),
     }
     trainer.final_weights = weights if topo.is_main else None
     if topo.is_main and trainer.run_dir:

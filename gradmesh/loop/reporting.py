@@ -40,7 +40,8 @@ class Reporting(Service):
         figures = torch.cat([outcome.figures, torch.tensor(self.monitor.step_figures(step), dtype=torch.float64)])
         self.train_time += elapsed
         self.samples += batch.size
-        self.reporter.add(StepRecord(step, batch.epoch, batch.size, self.samples, outcome.lr, elapsed, figures))
+        self.reporter.add(StepRecord(step, batch.epoch, batch.size, self.samples, outcome.lr, elapsed, figures,
+                                     row=outcome.row))
 
     def _show(self, row: dict) -> None:
         self.progress.update(row["step"], row["loss"], row["samples_per_s"])
@@ -105,9 +106,12 @@ class Evaluation(Service):
         self.ctx, self.reporting, self.eval_fn = ctx, reporting, eval_fn
         self.every, self.max_steps = every, max_steps
 
+    def wants_all_ranks(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and step < self.max_steps
+
     def after_step(self, outcome, elapsed: float) -> None:
         step = outcome.step
-        if not self.every or step % self.every or step >= self.max_steps:
+        if not self.wants_all_ranks(step):
             return
         metrics = evaluate(self.ctx, self.eval_fn)
         if metrics and self.ctx.is_main:

@@ -2,8 +2,10 @@
 
 The loop calls every service before a step, after it, when in-place recovery has formed a new
 group, and at the end. A service that runs a collective (the metrics gather, checkpoints, the
-replica check, evaluation) needs every rank at the same step and says so (`lockstep`); an engine
-whose ranks do not run in lockstep is paired with per-role variants of those instead.
+replica check, evaluation) needs every rank at the same step and says so (`lockstep`). An engine
+whose ranks do not step together runs segments of steps and reports each segment's steps to
+the services afterwards on every rank; a service makes a segment end where it needs the model
+exactly as it is after a step (`wants_all_ranks`).
 """
 
 import json
@@ -44,6 +46,10 @@ class Service:
     def before_step(self, step: int) -> None:
         pass
 
+    def wants_all_ranks(self, step: int) -> bool:
+        """This service needs the model as it is right after `step` (a checkpoint, an evaluation)."""
+        return False
+
     def after_step(self, outcome: StepOutcome, elapsed: float) -> None:
         pass
 
@@ -67,7 +73,8 @@ class SampleRecorder(Service):
     def after_step(self, outcome: StepOutcome, elapsed: float) -> None:
         if self.file:
             batch = outcome.batch
-            self.file.write(json.dumps({"step": outcome.step, "epoch": batch.epoch, "indices": outcome.indices}) + "\n")
+            self.file.write(json.dumps({"step": outcome.step, "epoch": batch.epoch, "indices": outcome.indices,
+                                        **outcome.detail}) + "\n")
 
     def finish(self) -> None:
         if self.file:
@@ -88,6 +95,10 @@ class FaultInjection(Service):
     def slow_down(self) -> None:
         """In the forward phase: an injected straggler shows as slow compute."""
         self.slept += self.injector.slow_down(self.own_time)
+
+    def straggle(self, seconds: float) -> None:
+        """Before a piece of work like one that took `seconds`: a straggler's delay for it."""
+        self.injector.slow_down(seconds)
 
     def after_step(self, outcome: StepOutcome, elapsed: float) -> None:
         self.injector.after_step(outcome.step, self.ctx.engine.model)

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from gradmesh import env, rundir
 from gradmesh.comm import build_reducer
-from gradmesh.config import CheckpointConfig, FaultConfig, MonitorConfig, TrainConfig
+from gradmesh.config import CheckpointConfig, FaultConfig, MonitorConfig, PSConfig, TrainConfig
 from gradmesh.data import GlobalOrderSampler
 from gradmesh.engine import Job, build_engine
 from gradmesh.errors import UsageError
@@ -35,6 +35,8 @@ from gradmesh.parallel.registry import resolve
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
 OptimizerSpec = tuple[type[torch.optim.Optimizer], dict]
+SEGMENT_STEPS = 50
+"""Steps an engine whose ranks do not step together runs between two reports to the services."""
 
 
 def optimizer_spec(train: TrainConfig) -> OptimizerSpec:
@@ -52,7 +54,7 @@ class Trainer:
                  optimizer: OptimizerSpec | None = None, run_dir: str | Path | None = None,
                  eval_fn: Callable[[nn.Module], dict] | None = None, quiet: bool = False,
                  run_info: dict | None = None, criterion: Callable | None = None,
-                 faults: FaultConfig | None = None, monitor: MonitorConfig | None = None):
+                 faults: FaultConfig | None = None, monitor: MonitorConfig | None = None, ps: PSConfig | None = None):
         self.session, self.topo = session, session.topology
         self.train = train or TrainConfig()
         self.checkpointing = checkpointing or CheckpointConfig()
@@ -63,15 +65,13 @@ class Trainer:
         self.monitor, self.counter = build.monitor(session, monitor, self.run_dir, self.plan)
         optimizer_class, kwargs = optimizer or optimizer_spec(self.train)
         reducer = build_reducer(self.counter, self.monitor.clock, session.membership)
-        job = Job(loss_fn, dataset, self.train, optimizer_class, kwargs, criterion, reducer, self.counter)
+        job = Job(loss_fn, dataset, self.train, optimizer_class, kwargs, criterion, reducer, self.counter, ps or PSConfig())
         self.engine = build_engine(self.topo, self.plan, model, job)
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
         self.ctx = RunContext(self.topo, self.engine, self.run_dir, session.identity, quiet)
         self.services = build.services(self, faults or FaultConfig())
         self.probe = build.probe(self.monitor, self.services)
         self.stepper = self.services.recovery or self.engine
-        if not self.engine.lockstep:
-            build.check_lockstep(self.services.all, self.plan.label)
         if session.joined:  # a replacement: the state comes from a live peer
             self.services.recovery.after_regroup([])
 
@@ -92,6 +92,13 @@ class Trainer:
     def fit(self) -> dict:
         start_step = self._prepare()
         wall_start = time.perf_counter()
+        (self._run_in_lockstep if self.engine.lockstep else self._run_in_segments)(start_step)
+        for service in self.services.all:
+            service.finish()
+        self.summary = finish_run(self, start_step, time.perf_counter() - wall_start)
+        return self.summary
+
+    def _run_in_lockstep(self, start_step: int) -> None:
         for step in range(start_step + 1, self.train.max_steps + 1):
             for service in self.services.all:
                 service.before_step(step)
@@ -101,10 +108,28 @@ class Trainer:
             elapsed = time.perf_counter() - tic
             for service in self.services.all:
                 service.after_step(outcome, elapsed)
-        for service in self.services.all:
-            service.finish()
-        self.summary = finish_run(self, start_step, time.perf_counter() - wall_start)
-        return self.summary
+
+    def _run_in_segments(self, start_step: int) -> None:
+        """An engine whose ranks do not step together runs a segment of steps at a time; the
+        services then see every step of it on every rank, so their collectives line up."""
+        step = start_step
+        while step < self.train.max_steps:
+            end = self._segment_end(step)
+            batches = []
+            for number in range(step + 1, end + 1):
+                for service in self.services.all:
+                    service.before_step(number)
+                batches.append(self.sampler.next_global())
+            for outcome, elapsed in self.engine.run_segment(batches, self.probe):
+                for service in self.services.all:
+                    service.after_step(outcome, elapsed)
+            step = end
+
+    def _segment_end(self, step: int) -> int:
+        """The next step a service needs every rank at (a checkpoint, an evaluation), the last
+        step, or SEGMENT_STEPS on, whichever comes first."""
+        last = min(step + SEGMENT_STEPS, self.train.max_steps)
+        return next((s for s in range(step + 1, last) if any(x.wants_all_ranks(s) for x in self.services.all)), last)
 
     def _prepare(self) -> int:
         """The run directory, the engine's own files, any checkpoint; the step to go on from."""

@@ -79,6 +79,9 @@ def summary_table(summary: dict) -> Table:
         rows.append(("step time split", " · ".join(f"{phase} {share:.0%}" for phase, share in split if share >= 0.005)))
         rows.append(("imbalance (mean)", f"{summary['imbalance_mean']:.1%}"))
         rows.append(("alerts", f"{summary['alerts']} (alerts.jsonl)" if summary["alerts"] else "none"))
+    if summary.get("staleness"):
+        stale = summary["staleness"]
+        rows.append(("staleness (max, mean)", f"{stale['max']} versions, {stale['mean']:.2f}"))
     rows.append(("run dir", summary["run_dir"]))
     for name, value in rows:
         table.add_row(name, str(value))

@@ -38,15 +38,26 @@ class RunTotals:
         """Seconds per phase summed over ranks and over the rows that carry a breakdown."""
         self.breakdown_rows = 0
         self.imbalance_sum = 0.0
+        self.stale_rows, self.stale_sum, self.stale_max = 0, 0.0, 0
 
     def add(self, row: dict) -> None:
         self.recent.append(row)
+        if "staleness_max" in row:
+            self.stale_rows += 1
+            self.stale_sum += row["staleness_mean"]
+            self.stale_max = max(self.stale_max, row["staleness_max"])
         if "breakdown" not in row:
             return
         self.breakdown_rows += 1
         for phase in breakdown.PHASES:
             self.phase_seconds[phase] += sum(row["breakdown"][phase])
         self.imbalance_sum += row.get("imbalance", 0.0)
+
+    def staleness(self) -> dict:
+        """For the summary: the largest staleness of any applied update, and the mean over steps."""
+        if not self.stale_rows:
+            return {}
+        return {"staleness": {"max": self.stale_max, "mean": round(self.stale_sum / self.stale_rows, 4)}}
 
     @property
     def last(self) -> dict | None:
@@ -66,6 +77,8 @@ class StepRecord:
     finished: float = field(default_factory=time.time)
     partial: bool = False
     """Gathered after in-place recovery from the survivors only (a rank's figures were lost)."""
+    row: dict = field(default_factory=dict)
+    """More columns for the row (the engine's, e.g. staleness)."""
 
 
 class StepReporter:
@@ -113,20 +126,7 @@ class StepReporter:
         per_rank = torch.stack(gathered)  # [rank, step, figure]
         rows = []
         for i, record in enumerate(records):
-            # Loss over the samples counted: ranks holding the same loss (tensor parallel) count
-            # its samples as often, and pipeline stages before the last count neither.
-            counted = per_rank[:, i, 1].sum().item()
-            row = {"step": record.step, "epoch": record.epoch,
-                   "loss": per_rank[:, i, 0].sum().item() / counted if counted else float("nan"),
-                   "lr": record.lr, "samples": record.samples, "step_time_s": record.elapsed,
-                   "samples_per_s": record.size / record.elapsed, "time": record.finished,
-                   "model_state_bytes": [int(b) for b in per_rank[:, i, 2]],
-                   "peak_memory_bytes": [int(b) for b in per_rank[:, i, 3]]}
-            if self.with_breakdown:
-                row["breakdown"] = {name: [round(v, 6) for v in per_rank[:, i, len(BASE) + j].tolist()]
-                                    for j, name in enumerate(breakdown.FIGURES)}
-            if record.partial:
-                row["partial"] = True
+            row = self._row(record, per_rank[:, i])
             if self.on_row:
                 self.on_row(row)
             rows.append(row)
@@ -137,6 +137,25 @@ class StepReporter:
         if self.on_record:
             self.on_record(rows[-1])
         return True
+
+    def _row(self, record: StepRecord, figures: torch.Tensor) -> dict:
+        """The metrics row of one step from every rank's figures for it ([rank, figure])."""
+        # Loss over the samples counted: ranks holding the same loss (tensor parallel) count
+        # its samples as often, and pipeline stages before the last count neither.
+        counted = figures[:, 1].sum().item()
+        row = {"step": record.step, "epoch": record.epoch,
+               "loss": figures[:, 0].sum().item() / counted if counted else float("nan"),
+               "lr": record.lr, "samples": record.samples, "step_time_s": record.elapsed,
+               "samples_per_s": record.size / record.elapsed, "time": record.finished,
+               "model_state_bytes": [int(b) for b in figures[:, 2]],
+               "peak_memory_bytes": [int(b) for b in figures[:, 3]]}
+        if self.with_breakdown:
+            row["breakdown"] = {name: [round(v, 6) for v in figures[:, len(BASE) + j].tolist()]
+                                for j, name in enumerate(breakdown.FIGURES)}
+        row.update(record.row)
+        if record.partial:
+            row["partial"] = True
+        return row
 
     def abandon(self) -> list[StepRecord]:
         """The records not yet written (the group they were gathered on broke); nothing waited on."""

@@ -55,7 +55,7 @@ class Strategy:
     axis: str
     """The mesh axis it spreads over when it runs alone."""
     engine: str
-    """Step engine family (`gradmesh.engine.ENGINES`): collective or pipeline."""
+    """Step engine family (`gradmesh.engine.ENGINES`): collective, pipeline or ps."""
     apply: str
     """(model, topology, options) -> model: this strategy applied to a plain model."""
     summary: str
@@ -84,6 +84,8 @@ class Strategy:
     """Every rank does the same work per step, so a slow one is a straggler."""
     inplace_recovery: bool = False
     """A lost rank holds nothing the others lack: survivors can go on in place."""
+    step_breakdown: bool = True
+    """The monitor's per-phase step breakdown applies (its ranks step together)."""
 
 
 def load(ref: str) -> Callable:
@@ -105,6 +107,12 @@ def _check_pipeline(cfg, mesh: dict[str, int], meta_model) -> None:
     check_pipeline(meta_model(), schedule=train.pp_schedule, microbatches=train.microbatches,
                    split=train.split_points, pp=mesh["pp"], grad_accum=train.grad_accum,
                    local_batch=train.global_batch_size // mesh.get("dp", 1))
+
+
+def _check_ps(cfg, mesh: dict[str, int], meta_model) -> None:
+    from gradmesh.parallel.ps import check_ps
+
+    check_ps(cfg, mesh, meta_model)
 
 
 def _tp_state(size: ModelSize, n: int) -> float:
@@ -142,9 +150,19 @@ ROWS = (
              wire_bytes=lambda size, n: 2 * _ring(n) * size.activation_bytes,
              sync="gradmesh.parallel.data:no_sync", checks=(_check_pipeline,), splits_model=True,
              same_work=False),
+    # Workers hold the whole model and its gradient; a server holds its shard with the optimizer
+    # state (state_bytes is a worker's, the larger at S >= 1). Each worker pushes its gradient
+    # and pulls the parameters once per step: 2 x 4P bytes, whatever the number of servers.
+    Strategy("ps", "ps", "ps", "gradmesh.parallel.ps:apply_ps",
+             "parameter servers: servers hold the parameters sharded, workers push gradients and pull "
+             "parameters (sync, async, ssp:K)",
+             state_bytes=lambda size, n: FP32 * size.params * 2,
+             wire_bytes=lambda size, n: 2 * FP32 * size.params,
+             roles=("worker", "server"), sync="gradmesh.parallel.data:no_sync", checks=(_check_ps,),
+             same_work=False, step_breakdown=False),
 )
 STRATEGIES = {row.name: row for row in ROWS}
-AXIS_STRATEGY = {"dp": "ddp", "fsdp": "fsdp", "tp": "tp", "pp": "pipeline"}
+AXIS_STRATEGY = {"dp": "ddp", "fsdp": "fsdp", "tp": "tp", "pp": "pipeline", "ps": "ps"}
 """The strategy each mesh axis stands for when several axes compose."""
 COMPOSITION_ORDER = ("tp", "pp", "fsdp", "dp")
 """Tensor parallel rewrites modules, the pipeline cuts the rewritten model, data parallelism or
@@ -170,7 +188,12 @@ class Plan:
 
     @property
     def engine(self) -> str:
-        return "pipeline" if any(row.engine == "pipeline" for row in self.rows) else "collective"
+        """The family that runs the plan: a row's own engine wins over the collective default."""
+        return next((row.engine for row in self.rows if row.engine != "collective"), "collective")
+
+    @property
+    def step_breakdown(self) -> bool:
+        return all(row.step_breakdown for row in self.rows)
 
     @property
     def alone(self) -> Strategy | None:
@@ -223,6 +246,8 @@ def resolve(name: str, mesh: dict[str, int]) -> Plan:
     row = get(name)
     if set(mesh) == {row.axis}:
         return Plan(row.name, dict(mesh), (row,))
+    if row.axis not in COMPOSITION_ORDER:
+        raise UsageError(f"--strategy {name} does not combine with other mesh axes ({', '.join(mesh)}); leave --mesh out")
     rows = tuple(STRATEGIES[AXIS_STRATEGY[axis]] for axis in COMPOSITION_ORDER if axis in mesh)
     label = rows[0].name if len(rows) == 1 else ",".join(f"{axis}={size}" for axis, size in mesh.items())
     return Plan(label, dict(mesh), rows)

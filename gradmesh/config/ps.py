@@ -1,0 +1,49 @@
+"""The parameter-server section of the configuration (`--strategy ps`)."""
+
+from dataclasses import dataclass
+
+from gradmesh.config.checks import finite, positive
+from gradmesh.errors import UsageError
+
+PS_MODES = ("sync", "async", "ssp:K")
+
+
+def parse_ps_mode(text: str) -> int | None:
+    """'sync' -> 0 (ssp:0 is sync), 'ssp:K' -> K, 'async' -> None (no bound)."""
+    if text == "sync":
+        return 0
+    if text == "async":
+        return None
+    kind, sep, bound = text.partition(":")
+    if kind != "ssp" or not sep or not bound.isascii() or not bound.isdigit():
+        raise UsageError(f"ps.mode {text!r} is not one of sync, async, ssp:K (K a whole number >= 0, e.g. ssp:2)")
+    return int(bound)
+
+
+@dataclass(kw_only=True)
+class PSConfig:
+    """Parameter servers: how many ranks hold the parameters, and how workers synchronise with them."""
+
+    servers: int = 1
+    """Ranks that hold the parameters and optimizer state, sharded by bytes; the other ranks are workers."""
+    mode: str = "sync"
+    """sync (one update per step from every worker: single-process training), async (each worker's
+    gradient applied as it arrives) or ssp:K (no worker more than K steps ahead of the slowest)."""
+
+    def __post_init__(self):
+        finite(self)
+        positive("ps", "servers", self.servers)
+        parse_ps_mode(self.mode)
+
+    @property
+    def bound(self) -> int | None:
+        """The staleness bound: 0 for sync, K for ssp:K, None for async."""
+        return parse_ps_mode(self.mode)
+
+
+def check_ps_options_need_ps(cfg, strategy: str) -> None:
+    """--ps-servers and --ps-mode mean nothing to another strategy: refused rather than ignored
+    (except on --resume, where they come from the saved config of a run that used ps)."""
+    if strategy != "ps" and not cfg.checkpoint.resume and (cfg.ps.servers != 1 or cfg.ps.mode != "sync"):
+        raise UsageError(f"--ps-servers and --ps-mode apply to --strategy ps, not {strategy}; "
+                         "leave them out or give --strategy ps")

@@ -1,0 +1,154 @@
+"""A parameter server: its shard of the flat parameter vector, the optimizer state of that
+shard, and the rules of the mode for applying what workers push.
+
+sync and ssp:K: the shares of one step are summed in share order (as data parallelism sums
+them) and applied as one optimizer step once all have arrived, steps in order; a pull for the
+share of step c waits until the version is at least c - K (the clock table of stale
+synchronous parallel, Ho et al. 2013; K = 0 is sync). async: each share is applied when it
+arrives, its learning rate scaled by its samples over the global batch, so a step's worth of
+shares moves the model as far as one synchronous step.
+
+The staleness of every applied share is its server's version when applied minus the version
+its worker pulled; per step, its sum, count and maximum are kept for the metrics.
+"""
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gradmesh.comm.ps_wire import Kind, Message, Wire
+from gradmesh.engine.base import lr_factor
+from gradmesh.engine.ps.segment import Dispatcher, Segment
+
+
+class Server:
+    def __init__(self, index: int, shard: tuple[int, int], buckets: list[tuple[int, int]], flat: torch.Tensor,
+                 wire: Wire, job, bound: int | None, servers_group):
+        self.index, self.wire, self.job, self.bound = index, wire, job, bound
+        self.low, self.high = shard
+        self.buckets, self.servers_group = buckets, servers_group
+        self.param = nn.Parameter(flat[self.low:self.high])  # a view: the mirror model sees every update
+        self.optimizer = job.optimizer_class([self.param], **job.optimizer_kwargs)
+        self.base_lr = self.optimizer.param_groups[0]["lr"]
+        self.version = 0
+        self.spare: list[torch.Tensor] = []
+        self.receiving: dict[int, torch.Tensor] = {}
+        self.stats: dict[int, list[float]] = {}
+
+    def state_bytes(self) -> int:
+        slots = sum(v.numel() * v.element_size() for v in self.optimizer.state.get(self.param, {}).values()
+                    if isinstance(v, torch.Tensor))
+        return self.param.numel() * self.param.element_size() * (2 + len(self.spare) + len(self.receiving)) + slots
+
+    # -- a segment -------------------------------------------------------------------------------
+
+    def serve(self, segment: Segment, dispatcher: Dispatcher | None) -> None:
+        """Answer workers until every share of the segment is applied here (and, on the
+        dispatcher, every worker has been told the segment is done)."""
+        self.segment, self.dispatcher = segment, dispatcher
+        self.done: dict[int, dict[int, torch.Tensor]] = {}
+        self.pulled: dict[int, list[int]] = {}
+        self.waiting: list[tuple[int, int]] = []
+        self.applied = self.told_done = 0
+        self.stats = {clock: [0.0, 0.0, 0.0, segment.started] for clock in segment.clocks}
+        while self.applied < segment.total_chunks or (dispatcher and self.told_done < segment.workers):
+            source, message = self.wire.receive_any()
+            self.handle(source, message)
+        self.wire.settle()
+
+    def handle(self, source: int, message: Message) -> None:
+        if message.kind == Kind.PUSH:
+            low, high = self.buckets[message.bucket]
+            buffer = self.receiving.setdefault(source, self._buffer())
+            self.wire.payload_from(source, buffer[low - self.low:high - self.low]).wait()
+        elif message.kind == Kind.COMMIT:
+            self.commit(source, message)
+        elif message.kind == Kind.PULL:
+            self.waiting.append((source, message.version))
+            self.answer_pulls()
+        elif message.kind == Kind.TAKE:
+            task = self.dispatcher.next(source)
+            if task is None:
+                self.told_done += 1
+            reply = Message(Kind.DONE) if task is None else Message(Kind.TASK, clock=task[0], chunk=task[1])
+            self.wire.send(source, reply)
+        else:
+            raise RuntimeError(f"parameter server {self.index}: unexpected {message.kind.name} from rank {source}")
+
+    def _buffer(self) -> torch.Tensor:
+        return self.spare.pop() if self.spare else torch.empty_like(self.param.detach())
+
+    def answer_pulls(self) -> None:
+        still = []
+        for worker, least in self.waiting:
+            if self.bound is None or self.version >= least:
+                self.wire.send(worker, Message(Kind.PARAMS, version=self.version), self.param.detach())
+            else:
+                still.append((worker, least))
+        self.waiting = still
+
+    # -- applying --------------------------------------------------------------------------------
+
+    def commit(self, worker: int, message: Message) -> None:
+        gradient = self.receiving.pop(worker)
+        clock = message.clock
+        if self.bound is None:
+            self.apply_share(gradient, message)
+            self.spare.append(gradient)
+        else:
+            self.done.setdefault(clock, {})[message.chunk] = gradient
+            self.pulled.setdefault(clock, []).append(message.version)
+            self.apply_ready_steps()
+        self.answer_pulls()
+
+    def apply_ready_steps(self) -> None:
+        while len(self.done.get(self.version, {})) == len(self.segment.chunks.get(self.version, [None])):
+            clock = self.version
+            shares = self.done.pop(clock)
+            total = shares[min(shares)]
+            for chunk in sorted(shares)[1:]:  # share order, whatever the arrival order
+                total.add_(shares[chunk])
+            self.step(total, clock, self._global_norm(total), 1.0)
+            for version in self.pulled.pop(clock):
+                self.record(clock, clock - version)
+            self.applied += len(shares)
+            self.spare.extend(shares.values())
+
+    def apply_share(self, gradient: torch.Tensor, message: Message) -> None:
+        batch = self.segment.batch(message.clock).size
+        scale = batch / message.samples  # the share's own mean gradient
+        gradient.mul_(scale)
+        staleness = self.version - message.version
+        self.step(gradient, message.clock, math.sqrt(message.norm_sq) * scale, message.samples / batch)
+        self.record(message.clock, staleness)
+        self.applied += 1
+
+    def _global_norm(self, gradient: torch.Tensor) -> float:
+        """The norm of the whole model's gradient: every server's part of it summed."""
+        if not self.job.train.grad_clip:
+            return 0.0
+        squares = gradient.double().pow(2).sum().reshape(1).cpu()
+        if dist.get_world_size(self.servers_group) > 1:
+            dist.all_reduce(squares, group=self.servers_group)
+        return math.sqrt(squares.item())
+
+    def step(self, gradient: torch.Tensor, clock: int, norm: float, lr_share: float) -> None:
+        max_norm = self.job.train.grad_clip
+        if max_norm:
+            gradient.mul_(min(1.0, max_norm / (norm + 1e-6)))
+        self.wire.settle()  # parameters being sent are not changed under the send
+        self.optimizer.param_groups[0]["lr"] = self.base_lr * lr_factor(clock, self.job.train) * lr_share
+        self.param.grad = gradient
+        self.optimizer.step()
+        self.param.grad = None
+        self.version += 1
+
+    def record(self, clock: int, staleness: int) -> None:
+        entry = self.stats[clock]
+        entry[0] += staleness
+        entry[1] += 1
+        entry[2] = max(entry[2], staleness)
+        entry[3] = time.time()

@@ -1,0 +1,73 @@
+"""The optimizer state of the servers' shards, to and from parameter names.
+
+A server runs torch's own optimizer over its shard as one flat parameter, so its state is one
+flat tensor per element-wise slot (Adam's two moments, SGD's momentum) and a scalar or two
+(Adam's step count). Checkpoints hold the state the way data parallelism's optimizer holds it,
+per parameter name, so any strategy reads what a parameter server wrote and the other way round.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gradmesh.parallel.ps import Layout, Roles
+
+
+class OptimizerSlots:
+    def __init__(self, optimizer_class: type, kwargs: dict):
+        probe = nn.Parameter(torch.zeros(2))
+        optimizer = optimizer_class([probe], **dict(kwargs, lr=0.0))
+        probe.grad = torch.zeros(2)
+        optimizer.step()  # torch optimizers make their state on the first step
+        state = optimizer.state[probe]
+        self.elementwise = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == probe.shape]
+        self.scalars = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape != probe.shape}
+
+    def template(self, model: nn.Module) -> dict:
+        """Zeros shaped as the state to be loaded (DCP loads into given tensors)."""
+        return {"state": {name: {**{k: torch.zeros_like(p) for k in self.elementwise},
+                                 **{k: torch.zeros_like(v) for k, v in self.scalars.items()}}
+                          for name, p in model.named_parameters()}}
+
+    def gather(self, server_state: dict | None, layout: Layout, roles: Roles, wire, flat: torch.Tensor) -> dict:
+        """Collective: every slot of the whole flat vector, on every rank ({} before the first update)."""
+        first = roles.server_rank(0)
+        stepped = torch.tensor([int(bool(server_state))])
+        dist.broadcast(stepped, src=first, group=wire.header_group)
+        if not stepped.item():
+            return {}
+        found = {}
+        for key in self.elementwise:
+            whole = torch.zeros_like(flat)
+            if server_state:
+                low, high = layout.shard(dist.get_rank() - roles.workers)
+                whole[low:high] = server_state[key]
+            for s in range(roles.servers):
+                low, high = layout.shard(s)
+                dist.broadcast(whole[low:high], src=roles.server_rank(s), group=wire.payload_group)
+            found[key] = whole
+        for key, like in self.scalars.items():
+            value = server_state[key].detach().cpu().clone() if server_state else torch.zeros_like(like)
+            dist.broadcast(value, src=first, group=wire.header_group)
+            found[key] = value
+        return found
+
+    def named(self, slots: dict, names: list[str], layout: Layout) -> dict:
+        if not slots:
+            return {"state": {}}
+        state = {}
+        for index, name in enumerate(names):
+            low, high, shape = layout.offsets[index], layout.offsets[index + 1], layout.shapes[index]
+            state[name] = {key: slots[key][low:high].view(shape) for key in self.elementwise}
+            state[name].update({key: slots[key].clone() for key in self.scalars})
+        return {"state": state}
+
+    def shard_of(self, state: dict, names: list[str], shard: tuple[int, int]) -> dict:
+        """The flat state of one server's shard from state loaded under parameter names."""
+        if not state or not all(name in state for name in names):
+            return {}
+        low, high = shard
+        found = {key: torch.cat([state[name][key].reshape(-1) for name in names])[low:high].clone()
+                 for key in self.elementwise}
+        found.update({key: state[names[0]][key].clone() for key in self.scalars})
+        return found

@@ -1,0 +1,150 @@
+"""Parameter servers: the parameters laid out as one flat vector, sharded over the servers by bytes.
+
+Every parameter of the plain model, flattened in `named_parameters()` order, is one range of a
+flat vector; server s holds the contiguous range `Layout.shard(s)` of it, with its optimizer
+state. Shards are balanced by bytes: a tensor larger than a share is split across servers, at a
+row boundary (its first dimension), so a piece of it is whole rows. Workers hold the whole flat
+vector (their model's parameters are views into it) and exchange shard-sized ranges of it and
+of the gradient with each server (`gradmesh.engine.ps`).
+
+Ranks 0..W-1 are workers and W..W+S-1 servers: rank 0, which writes the run's files, is a
+worker and holds the whole model, as under data parallelism.
+"""
+
+import bisect
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from gradmesh.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Who does what in a job of `world` ranks with `servers` servers."""
+
+    world: int
+    servers: int
+
+    @property
+    def workers(self) -> int:
+        return self.world - self.servers
+
+    def is_server(self, rank: int) -> bool:
+        return rank >= self.workers
+
+    def server_rank(self, index: int) -> int:
+        return self.workers + index
+
+    @property
+    def dispatcher(self) -> int:
+        """The server that hands out the shares of each global batch (the first one)."""
+        return self.workers
+
+
+class Layout:
+    """The flat vector's ranges: one per parameter, one shard per server."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], servers: int):
+        self.shapes = [tuple(shape) for shape in shapes]
+        self.numels = [_numel(shape) for shape in self.shapes]
+        self.offsets = [0]
+        for numel in self.numels:
+            self.offsets.append(self.offsets[-1] + numel)
+        self.total = self.offsets[-1]
+        cuts = row_boundaries(self.shapes)
+        if servers > len(cuts) - 1:
+            raise UsageError(f"--ps-servers {servers}: the model has {len(cuts) - 1} rows of parameters in all, so at "
+                             f"most {len(cuts) - 1} servers can each hold a share; give --ps-servers at most {len(cuts) - 1}")
+        self.bounds = _balanced(cuts, servers)
+
+    def shard(self, server: int) -> tuple[int, int]:
+        return self.bounds[server], self.bounds[server + 1]
+
+    def shard_numel(self, server: int) -> int:
+        low, high = self.shard(server)
+        return high - low
+
+    def buckets(self, server: int, bucket_elements: int) -> list[tuple[int, int]]:
+        """The server's shard cut into ranges of at most `bucket_elements`, in flat order."""
+        low, high = self.shard(server)
+        step = max(1, bucket_elements)
+        return [(start, min(start + step, high)) for start in range(low, high, step)]
+
+    def params_in(self, low: int, high: int) -> list[int]:
+        """Indices of the parameters overlapping the flat range [low, high)."""
+        first = bisect.bisect_right(self.offsets, low) - 1
+        found = []
+        for index in range(max(first, 0), len(self.numels)):
+            if self.offsets[index] >= high:
+                break
+            if self.numels[index]:
+                found.append(index)
+        return found
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
+
+
+def row_boundaries(shapes: list[tuple[int, ...]]) -> list[int]:
+    """Flat offsets where a row of some parameter starts, and the end: the places a shard may begin."""
+    cuts, offset = [0], 0
+    for shape in shapes:
+        numel = _numel(shape)
+        rows = shape[0] if shape and numel else 1
+        row = numel // rows if rows else 0
+        cuts.extend(offset + row * r for r in range(1, rows))
+        offset += numel
+        if numel:
+            cuts.append(offset)
+    return sorted(set(cuts))
+
+
+def _balanced(cuts: list[int], servers: int) -> list[int]:
+    """S+1 bounds from `cuts`, each share as near total/S elements as whole rows allow, none empty."""
+    total, bounds = cuts[-1], [0]
+    for s in range(1, servers):
+        target = total * s / servers
+        i = bisect.bisect_left(cuts, target)
+        if i > 0 and (i == len(cuts) or target - cuts[i - 1] <= cuts[i] - target):
+            i -= 1
+        lowest = cuts.index(bounds[-1]) + 1
+        highest = len(cuts) - 1 - (servers - s)  # leave a row for each server still to come
+        bounds.append(cuts[min(max(i, lowest), highest)])
+    bounds.append(total)
+    return bounds
+
+
+def layout_of(model: nn.Module, servers: int) -> Layout:
+    return Layout([tuple(p.shape) for p in model.parameters()], servers)
+
+
+def check_ps(cfg, mesh: dict[str, int], meta_model) -> None:
+    """Before launch: servers and workers both present, shards possible, the batch splittable."""
+    world, servers = mesh["ps"], cfg.ps.servers
+    if cfg.train.mesh:
+        raise UsageError(f"--strategy ps does not combine with --mesh {cfg.train.mesh!r} (its ranks are servers "
+                         "and workers, not mesh axes); leave --mesh out")
+    if not 1 <= servers < world:
+        raise UsageError(f"--ps-servers {servers} leaves {world - servers} worker(s) of {world} ranks: give at least "
+                         f"one server and one worker (--ps-servers 1..{world - 1}, or more ranks with --nproc)")
+    workers, accum = world - servers, cfg.train.grad_accum
+    if cfg.train.global_batch_size % (workers * accum):
+        raise UsageError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by workers x "
+                         f"grad_accum = {workers} x {accum}; use a multiple of {workers * accum}")
+    if cfg.fault.recovery == "inplace":
+        raise UsageError("--recovery inplace does not support --strategy ps yet; use --recovery restart")
+    if cfg.fault.step_timeout:
+        raise UsageError("--step-timeout does not support --strategy ps yet (its ranks do not step together); leave it out")
+    layout_of(meta_model(), servers)
+
+
+def apply_ps(model: nn.Module, topology, options) -> nn.Module:
+    """Every rank keeps the plain model on its device: workers train it, servers mirror it for
+    evaluation and checkpoints (`gradmesh.engine.ps`)."""
+    return model.to(topology.device)
+
