@@ -71,15 +71,20 @@ class ParameterServerEngine:
         return self._outcomes(segment, shares, self._gather_stats(segment))
 
     def _gather_stats(self, segment: Segment) -> torch.Tensor:
-        """Per step, over every server: staleness sum, count, max, and when the step was applied."""
-        stats = torch.zeros(len(segment.clocks), 4, dtype=torch.float64)
+        """Per step, over every server: staleness sum, count, max, when the step was applied, and
+        the bytes every rank sent in the segment (spread evenly over its steps)."""
+        stats = torch.zeros(len(segment.clocks), 5, dtype=torch.float64)
         if self.server:
-            stats[:] = torch.tensor([self.server.stats[clock] for clock in segment.clocks], dtype=torch.float64)
+            stats[:, :4] = torch.tensor([self.server.stats[clock] for clock in segment.clocks], dtype=torch.float64)
+        sent = self.job.counter.take()[0] if self.job.counter is not None else 0
         group = self.wire.header_group
-        sums, highs = stats[:, :2].contiguous(), stats[:, 2:].contiguous()
+        sums = torch.cat([stats[:, :2].reshape(-1), torch.tensor([float(sent)], dtype=torch.float64)])
+        highs = stats[:, 2:4].contiguous()
         dist.all_reduce(sums, group=group)
         dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=group)
-        return torch.cat([sums, highs], dim=1)
+        stats[:, :2], stats[:, 2:4] = sums[:-1].view(-1, 2), highs
+        stats[:, 4] = sums[-1] / len(segment.clocks)
+        return stats
 
     def _outcomes(self, segment: Segment, shares: dict[int, Share], stats: torch.Tensor):
         held = self.state_bytes()
@@ -87,11 +92,12 @@ class ParameterServerEngine:
         before, found = segment.started, []
         for i, batch in enumerate(segment.batches):
             share = shares.get(batch.step, Share())
-            stale_sum, count, stale_max, applied = stats[i].tolist()
+            stale_sum, count, stale_max, applied, wire = stats[i].tolist()
             figures = torch.tensor([share.loss, share.samples, held, peak], dtype=torch.float64)
             lr = self.job.optimizer_kwargs["lr"] * lr_factor(batch.step, self.job.train)
             outcome = StepOutcome(batch, lr, share.indices, figures,
-                                  row={"staleness_max": int(stale_max), "staleness_mean": stale_sum / max(count, 1)},
+                                  row={"staleness_max": int(stale_max), "staleness_mean": stale_sum / max(count, 1),
+                                       "wire_bytes": int(wire)},
                                   detail={"versions": share.versions} if self.worker else {})
             found.append((outcome, max(applied - before, 1e-9)))
             before = max(before, applied)

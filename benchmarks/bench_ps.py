@@ -1,0 +1,142 @@
+"""Benchmark: parameter servers against all-reduce, and the three ps modes under a straggler.
+
+    .venv/bin/python benchmarks/bench_ps.py             # prints two tables, writes benchmarks/results/ps.json
+
+(a) ps sync (1 server + 2 workers) against ddp (2 workers) on gpt-char and mlp-digits, run
+    alternately in one invocation: steady step time (median of the steps after the first
+    `--warmup`) and bytes on the wire per step summed over every rank, beside each formula:
+    ddp's ring all-reduce sends 2(n-1)/n x 4P per rank; a ps worker pushes 4P and pulls 4P.
+(b) sync, async and ssp:2 on gpt-char with worker 1 slowed 2x (`--inject slow:rank=1,factor=2`):
+    the training time each needs to reach the loss sync reaches at its step N (losses smoothed
+    over 5 steps; async and ssp run 1.5 N steps to get there), and each loss at step N (the same
+    number of samples).
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+HERE = Path(__file__).parent
+GPT = ["--set", "model.n_layer=2", "--set", "model.n_embd=64", "--set", "model.n_head=4", "--set", "model.block_size=64",
+       "--set", "train.sample_chars=0", "--set", "train.eval_batches=1", "--set", "data.max_chars=400000"]
+MODELS = {"gpt-char": ["--model", "gpt-char", *GPT], "mlp-digits": ["--model", "mlp-digits"]}
+
+
+def train(nproc: int, steps: int, batch: int, *extra: str) -> list[dict]:
+    with tempfile.TemporaryDirectory() as run_dir:
+        cmd = [sys.executable, "-m", "gradmesh", "train", "--nproc", str(nproc), "--max-steps", str(steps),
+               "--global-batch-size", str(batch), "--run-dir", run_dir, "--quiet", *extra]
+        subprocess.run(cmd, check=True)
+        return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def params(model: str) -> int:
+    from gradmesh.cli.options import resolve_config
+    from gradmesh.cli import build_parser
+    from gradmesh import workloads
+
+    cfg = resolve_config(build_parser().parse_args(["train", *MODELS[model]]))
+    return sum(p.numel() for p in workloads.meta_model(cfg).parameters())
+
+
+def wire_bytes(rows: list[dict], strategy: str, nproc: int) -> float:
+    """Bytes every rank sent per step: ps counts them; ddp's reducer counts the buffer it all-reduces."""
+    if strategy == "ps":
+        return statistics.median(r["wire_bytes"] for r in rows)
+    reduced = statistics.median(sum(r["breakdown"]["comm_bytes"]) for r in rows)  # over every rank
+    return reduced * 2 * (nproc - 1) / nproc
+
+
+def compare(args) -> list[dict]:
+    found = []
+    for model in MODELS:
+        p = params(model)
+        ways = {"ddp": (2, ["--strategy", "ddp"], 2 * (2 - 1) * 4 * p),
+                "ps sync": (3, ["--strategy", "ps"], 2 * 2 * 4 * p)}
+        times = {name: [] for name in ways}
+        for _ in range(args.rounds):
+            for name, (nproc, extra, formula) in ways.items():
+                rows = train(nproc, args.steps, 32, *MODELS[model], *extra)
+                times[name].append((statistics.median(r["step_time_s"] for r in rows[args.warmup:]),
+                                    wire_bytes(rows[args.warmup:], extra[1], nproc)))
+        for name, (nproc, extra, formula) in ways.items():
+            found.append({"model": model, "strategy": name, "workers": 2, "params": p,
+                          "step_s": statistics.median(t for t, _ in times[name]),
+                          "wire_bytes": statistics.median(b for _, b in times[name]), "formula_bytes": formula})
+    return found
+
+
+def smoothed(rows: list[dict], width: int = 5) -> list[float]:
+    losses = [r["loss"] for r in rows]
+    return [statistics.fmean(losses[max(0, i - width + 1):i + 1]) for i in range(len(losses))]
+
+
+def straggler(args) -> list[dict]:
+    """Sync runs N steps; async and ssp:2 run 1.5 N, so that a mode needing more steps than sync to
+    reach sync's loss is timed to where it gets there. Final losses compare at step N (same samples)."""
+    runs = {}
+    for mode in ("sync", "async", "ssp:2"):
+        steps = args.modes_steps if mode == "sync" else args.modes_steps * 3 // 2
+        runs[mode] = train(3, steps, 32, *MODELS["gpt-char"], "--strategy", "ps", "--ps-mode", mode,
+                           "--inject", "slow:rank=1,factor=2")
+    target = smoothed(runs["sync"])[-1]
+    found = []
+    for mode, rows in runs.items():
+        elapsed, reached, curve = 0.0, None, smoothed(rows)
+        for row, loss in zip(rows, curve):
+            elapsed += row["step_time_s"]
+            if reached is None and loss <= target:
+                reached = (elapsed, row["step"])
+        at_n = rows[:args.modes_steps]
+        found.append({"mode": mode, "time_to_sync_loss_s": reached[0] if reached else None,
+                      "steps_to_sync_loss": reached[1] if reached else None,
+                      "step_s": statistics.fmean(r["step_time_s"] for r in at_n),
+                      "final_loss": curve[args.modes_steps - 1],
+                      "staleness_max": max(r["staleness_max"] for r in at_n)})
+    sync = found[0]
+    for entry in found:
+        entry["time_ratio"] = entry["time_to_sync_loss_s"] / sync["time_to_sync_loss_s"] if entry["time_to_sync_loss_s"] else None
+        entry["loss_ratio"] = entry["final_loss"] / sync["final_loss"]
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--modes-steps", type=int, default=100)
+    args = parser.parse_args()
+    result = {"compare": compare(args), "straggler": straggler(args)}
+    console = Console()
+    table = Table(title="ps sync vs ddp, 2 workers (median step time, bytes per step over all ranks)")
+    for column in ("model", "strategy", "step time", "vs ddp", "bytes/step", "formula"):
+        table.add_column(column, justify="right")
+    for row in result["compare"]:
+        ddp = next(r for r in result["compare"] if r["model"] == row["model"] and r["strategy"] == "ddp")
+        table.add_row(row["model"], row["strategy"], f"{row['step_s'] * 1e3:.1f} ms", f"{row['step_s'] / ddp['step_s']:.2f}x",
+                      f"{row['wire_bytes'] / 1e6:.3f} MB", f"{row['formula_bytes'] / 1e6:.3f} MB")
+    console.print(table)
+    table = Table(title="gpt-char, 1 server + 2 workers, worker 1 slowed 2x")
+    for column in ("mode", "step time", "time to sync's loss (step)", "vs sync", "loss at step N", "vs sync",
+                   "max staleness"):
+        table.add_column(column, justify="right")
+    for row in result["straggler"]:
+        reached = f"{row['time_to_sync_loss_s']:.1f} s ({row['steps_to_sync_loss']})" if row["time_to_sync_loss_s"] else "not reached"
+        ratio = f"{row['time_ratio']:.2f}x" if row["time_ratio"] else "-"
+        table.add_row(row["mode"], f"{row['step_s'] * 1e3:.1f} ms", reached, ratio, f"{row['final_loss']:.4f}",
+                      f"{row['loss_ratio']:.3f}x", str(row["staleness_max"]))
+    console.print(table)
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "ps.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
