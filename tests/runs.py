@@ -7,7 +7,9 @@ same normalised arguments — one run — serve parity, resume, fault, monitorin
 
 from pathlib import Path
 
-from catalogue import Catalogue
+import shutil
+
+from catalogue import Catalogue, copy_run
 from helpers import weights
 
 # Contract 2's yardstick: 20 optimizer steps of 16 samples.
@@ -19,6 +21,10 @@ RECORDED = ("--checkpoint-every", "5", "--set", "checkpoint.keep=2", "--record-s
 
 # Pipeline and tensor-parallel runs need 4 layers (4 pipeline stages) and 4 heads (tp=4).
 WIDE = ("--set", "model.n_layer=4", "--set", "model.n_head=4")
+
+# Checkpoints at steps 10 and 20, both kept: a resharding test resumes a copy from step 10 (`at_step_10`)
+# instead of training a run of its own that stops there.
+TENS = ("--checkpoint-every", "10", "--set", "checkpoint.keep=0")
 
 # A run stopped at step 10 with every checkpoint kept (step-5, step-10), for resume tests to copy.
 HALF = ("--max-steps", "10", "--global-batch-size", "16", "--optimizer", "adamw", "--strategy", "ddp",
@@ -39,8 +45,15 @@ def sharded_run(catalogue: Catalogue, nproc: int, optimizer: str, strategy: str)
 
 
 def wide_run(catalogue: Catalogue, nproc: int, optimizer: str, *layout: str) -> Path:
-    """The 4-layer, 4-head model for 20 steps; no layout: the single-process reference."""
-    return catalogue.run(nproc, *WIDE, *STEPS, "--optimizer", optimizer, *layout)
+    """The 4-layer, 4-head model for 20 steps (with TENS); no layout: the single-process reference."""
+    return catalogue.run(nproc, *WIDE, *STEPS, "--optimizer", optimizer, *TENS, *layout)
+
+
+def at_step_10(run_dir: Path, to: Path) -> Path:
+    """A copy of a 20-step run with TENS that a --resume continues from step 10."""
+    copy = copy_run(run_dir, to)
+    shutil.rmtree(copy / "checkpoints" / "step-20")
+    return copy
 
 
 def half_run(catalogue: Catalogue, nproc: int, strategy: str = "ddp") -> Path:

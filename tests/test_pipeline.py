@@ -9,12 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from catalogue import copy_run
 from helpers import rel_l2, train, weights
 from gradmesh.models import gpt
 from gradmesh.parallel.pipeline import keep_only, pipeline_units, profile_units
 from gradmesh.plan.partition import balanced_cut, equal_cut, stage_load
-from runs import References, HALF, WIDE, digits_run, wide_run
+from runs import WIDE, References, at_step_10, digits_run, wide_run
 
 TOLERANCE = 1e-5
 PIPELINE = ("--strategy", "pipeline")
@@ -66,7 +65,7 @@ def test_short_last_batch_is_padded_with_weightless_samples(catalogue):
 
 @pytest.mark.slow  # three runs; checkpoints crossing strategies stay in the fast tier (test_sharded, tp -> fsdp)
 def test_pipeline_checkpoint_resumes_under_ddp_and_back(reference, catalogue, tmp_path):
-    run = copy_run(catalogue.run(2, *WIDE, *HALF, *PIPELINE), tmp_path / "run")
+    run = at_step_10(wide_run(catalogue, 2, "adamw", *PIPELINE, "--pp-schedule", "1f1b"), tmp_path / "run")
     train(run, 2, "--resume", "--strategy", "ddp", "--max-steps", "15", *WIDE)
     train(run, 2, "--resume", *PIPELINE, "--pp-schedule", "gpipe", "--max-steps", "20", *WIDE)
     assert rel_l2(weights(run), reference["adamw"]) <= TOLERANCE

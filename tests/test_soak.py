@@ -37,12 +37,12 @@ def assert_survived(run_dir, reference, floor):
     assert rel_l2(weights(run_dir), weights(reference)) <= 2 * floor
 
 
-@pytest.mark.slow  # ~30 s: replacements need seconds to start, so the steps are paced
+@pytest.mark.slow  # ~20 s: replacements need seconds to start, so the steps are paced (half a second)
 def test_inplace_recovery_survives_a_chaos_soak(catalogue, floor, tmp_path):
     # seed 5: slow, a hang of rank 0, a kill during the step-10 checkpoint write (held back until
     # a replacement has joined: the last worker is spared), two more slow-downs
     result = train(tmp_path, 2, *SOAK, "--recovery", "inplace", "--max-restarts", "10",
-                   "--inject", "chaos:faults=5,seed=5,pace=1")
+                   "--inject", "chaos:faults=5,seed=5,pace=0.5")
     fired = chaos_log(tmp_path)
     assert sorted(int(e["fault"].split("#")[1].split(":")[0]) for e in fired) == [0, 1, 2, 3, 4], fired
     assert "hang detected" in result.stderr and "replacement worker rank 2 is starting" in result.stderr

@@ -4,9 +4,8 @@ fit refused before launch."""
 
 import pytest
 
-from catalogue import copy_run
 from helpers import rel_l2, train, weights
-from runs import References, HALF, WIDE, wide_run
+from runs import WIDE, References, at_step_10, wide_run
 
 SLOW = pytest.mark.slow  # tp at 2 ranks under sgd keeps the contract in the fast tier
 
@@ -28,7 +27,7 @@ def test_tensor_parallel_matches_single_process(reference, catalogue, nproc, opt
 
 @SLOW  # checkpoints crossing strategies and world sizes stay in the fast tier in test_sharded
 def test_tensor_parallel_checkpoint_resumes_under_fsdp(reference, catalogue, tmp_path):
-    run = copy_run(catalogue.run(2, *WIDE, *HALF, "--strategy", "tp"), tmp_path / "run")
+    run = at_step_10(wide_run(catalogue, 2, "adamw", "--strategy", "tp"), tmp_path / "run")
     train(run, 2, "--resume", "--strategy", "fsdp", "--max-steps", "20", *WIDE)
     assert rel_l2(weights(run), reference["adamw"]) <= 1e-5
 
@@ -50,7 +49,7 @@ def test_two_dimensional_meshes_match_single_process(reference, catalogue, mesh,
 
 @SLOW
 def test_checkpoint_from_a_two_dimensional_mesh_resumes_under_ddp(reference, catalogue, tmp_path):
-    run = copy_run(catalogue.run(4, *WIDE, *HALF, "--mesh", "fsdp=2,tp=2"), tmp_path / "run")
+    run = at_step_10(wide_run(catalogue, 4, "adamw", "--mesh", "fsdp=2,tp=2"), tmp_path / "run")
     train(run, 2, "--resume", "--mesh", "", "--strategy", "ddp", "--max-steps", "20", *WIDE)
     assert rel_l2(weights(run), reference["adamw"]) <= 1e-5
 
