@@ -123,3 +123,13 @@ def test_the_dispatcher_hands_out_every_share_once(static):
             handed.append(task)
             assert not static or task[1] == turn % 3  # sync: worker w always computes share w
     assert sorted(handed) == segment.order() and len(segment.order()) == 3 * 3 + 2
+
+
+def test_a_dead_server_restarts_every_rank_from_the_last_checkpoint(catalogue, tmp_path):
+    """Rank 2 is the server: killed at step 15, the job restarts from the step-10 checkpoint
+    (restart recovery checkpoints every 10 steps) and ends where the run without a fault ends."""
+    train(tmp_path, 3, *STEPS, "--strategy", "ps", "--optimizer", "adamw", "--recovery", "restart",
+          "--inject", "kill:rank=2,step=15")
+    assert [json.loads(line)["rank"] for line in (tmp_path / "faults.jsonl").read_text().splitlines()] == [2]
+    assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 21))
+    assert rel_l2(weights(tmp_path), weights(ps_run(catalogue, 3, "--optimizer", "adamw"))) <= 1e-6
