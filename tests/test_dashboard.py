@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY, free_port, gradmesh, listening_sockets, metrics
+from runs import digits_run
 STEPS, WORLD = 30, 2
 STRAGGLER_FROM = 5
 STRAGGLER_MESSAGE = "rank 1 is a straggler (compute): 60% slower than the other ranks since step 5"
@@ -264,13 +265,18 @@ class Elements(HTMLParser):
                 self.alerts[alert] += data + " "
 
 
-@pytest.mark.browser
-def test_dashboard_draws_a_finished_run_in_a_browser(server, straggler_run, chromium, tmp_path):
+def dump(chromium, url: str, tmp_path) -> tuple["Elements", subprocess.CompletedProcess]:
     result = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=8000",
-                             f"--user-data-dir={tmp_path / 'chromium'}", "--dump-dom", server],
+                             f"--user-data-dir={tmp_path / 'chromium'}", "--dump-dom", url],
                             capture_output=True, text=True, timeout=180)
     page = Elements()
     page.feed(result.stdout)
+    return page, result
+
+
+@pytest.mark.browser
+def test_dashboard_draws_a_finished_run_in_a_browser(server, straggler_run, chromium, tmp_path):
+    page, result = dump(chromium, server, tmp_path)
     assert page.body.get("data-rows") == str(STEPS), result.stdout[-2000:] + result.stderr[-2000:]
     charts = {name: page.by_id[name] for name in ("loss", "throughput", "breakdown", "memory")}
     for name, chart in charts.items():
@@ -281,3 +287,14 @@ def test_dashboard_draws_a_finished_run_in_a_browser(server, straggler_run, chro
     assert any(straggler_alert(straggler_run) in text for text in page.alerts), page.alerts
     assert straggler_run["dir"].name in page.by_id["run-name"]["text"]
     assert "world size 2" in page.by_id["run-meta"]["text"]
+
+
+@pytest.mark.browser
+def test_dashboard_draws_a_parameter_server_run_its_roles_and_staleness(catalogue, chromium, tmp_path):
+    run = digits_run(catalogue, 3, "--strategy", "ps", "--ps-mode", "ssp:2", "--inject", "slow:rank=1,factor=4")  # test_ps's
+    with serving(run, tmp_path / "monitor.log") as url:
+        page, result = dump(chromium, url, tmp_path)
+    steps = len(metrics(run))
+    assert page.body.get("data-rows") == str(steps), result.stdout[-2000:] + result.stderr[-2000:]
+    assert page.by_id["staleness"]["data-points"] == str(2 * steps)  # max and mean of every step
+    assert page.by_id["breakdown"]["data-traces"] == "9"  # 5 worker phases and 4 server phases

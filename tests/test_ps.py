@@ -66,6 +66,18 @@ def test_ssp_never_lets_staleness_exceed_its_bound_and_consumes_every_sample_onc
     assert all(len(r["versions"]) >= 1 for r in records if r["indices"])  # each share's parameter version
 
 
+def test_each_role_is_timed_and_the_slow_worker_is_named(catalogue):
+    run = digits_run(catalogue, 3, "--strategy", "ps", "--ps-mode", "ssp:2", "--inject", "slow:rank=1,factor=4")
+    roles = metrics(run)[-1]["roles"]
+    assert roles["worker"]["ranks"] == [0, 1] and roles["server"]["ranks"] == [2]
+    assert roles["server"]["updates"] == [1.0]  # ssp applies one update per step
+    per_sample = [c / n for c, n in zip(roles["worker"]["compute"], roles["worker"]["samples"])]
+    assert per_sample[1] > 2 * per_sample[0]  # the 4x slow-down shows as compute
+    assert roles["worker"]["samples"][0] > roles["worker"]["samples"][1]  # the fast worker took more shares
+    alerts = [json.loads(line) for line in (run / "alerts.jsonl").read_text().splitlines()]
+    assert [(a["kind"], a["rank"], a["phase"]) for a in alerts] == [("straggler", 1, "compute")]
+
+
 def test_async_converges_and_consumes_every_sample_once(catalogue):
     run = ps_run(catalogue, 3, "--optimizer", "adamw", "--ps-mode", "async", *RECORDED)
     reference = ddp_run(catalogue, 1, "adamw")

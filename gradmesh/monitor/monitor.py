@@ -15,7 +15,7 @@ from pathlib import Path
 from gradmesh.config import MonitorConfig
 from gradmesh.files import open_append
 from gradmesh.monitor.breakdown import FIGURES, StepClock
-from gradmesh.monitor.stragglers import StragglerDetector, busy_times, imbalance
+from gradmesh.monitor.stragglers import StragglerDetector, busy_times, imbalance, worker_breakdown
 
 
 MAX_TRACED_STEPS = 200
@@ -63,9 +63,10 @@ class Monitor:
 
     def start(self) -> None:
         """After the run dir is prepared (a fresh run clears it): open files, start exporters."""
-        if self.clock is None or self.run_dir is None:
+        if self.run_dir is None:
             return
-        self.steps_file = open_append(self.run_dir / f"steps-rank{self.identity}.jsonl", buffering=1)
+        if self.clock is not None:
+            self.steps_file = open_append(self.run_dir / f"steps-rank{self.identity}.jsonl", buffering=1)
         if not self.is_main:
             return
         self.alerts_file = open_append(self.run_dir / "alerts.jsonl", buffering=1)
@@ -101,10 +102,13 @@ class Monitor:
 
     def on_row(self, row: dict) -> None:
         """Rank 0, for each gathered metrics row: imbalance, stragglers, alerts, exporters."""
-        breakdown = row.get("breakdown")
-        if self.clock is not None and breakdown:
+        breakdown, comparable = (row.get("breakdown") if self.clock is not None else None), self.same_work
+        per = "step"
+        if "worker" in row.get("roles", {}):  # parameter-server workers do the same work, compared per sample
+            breakdown, comparable, per = worker_breakdown(row["roles"]["worker"]), True, "sample"
+        if breakdown:
             row["imbalance"] = round(imbalance(busy_times(breakdown)), 4)
-            flagged, alerts = self.detector.observe(row["step"], breakdown) if self.same_work else ([], [])
+            flagged, alerts = self.detector.observe(row["step"], breakdown, per) if comparable else ([], [])
             if flagged:
                 row["stragglers"] = flagged
             for alert in alerts:

@@ -32,14 +32,32 @@ def slow_phase(breakdown: dict[str, list[float]], rank: int) -> str:
     return max(PHASE_GROUPS, key=lambda g: group_time(rank, g) - statistics.median(group_time(r, g) for r in others))
 
 
+def worker_breakdown(workers: dict[str, list[float]]) -> dict[str, list[float]]:
+    """A parameter-server job's workers as the detector reads ranks: their busy time (data and
+    compute) per sample, since a fast worker takes more shares and a slow one fewer."""
+    def per_sample(phase: str) -> list[float]:
+        return [t / n if n else 0.0 for t, n in zip(workers[phase], workers["samples"])]
+
+    data, compute = per_sample("data"), per_sample("compute")
+    zeros = [0.0] * len(data)
+    return {"step_s": [d + c for d, c in zip(data, compute)], "comm": zeros, "idle": zeros, "data": data,
+            "forward": compute, "backward": zeros, "optimizer": zeros,
+            "comm_busy_s": [p + q for p, q in zip(per_sample("push"), per_sample("pull"))]}
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f} s" if value >= 0.1 else f"{value * 1e3:.3f} ms"
+
+
 class StragglerDetector:
     def __init__(self, margin: float = 0.5, steps: int = 5):
         self.margin, self.steps = margin, steps
         self.streak: dict[int, int] = {}
         self.reported: set[int] = set()
 
-    def observe(self, step: int, breakdown: dict[str, list[float]]) -> tuple[list[dict], list[dict]]:
-        """One step's per-rank breakdown -> (stragglers this step, new alerts)."""
+    def observe(self, step: int, breakdown: dict[str, list[float]], per: str = "step") -> tuple[list[dict], list[dict]]:
+        """One step's per-rank breakdown -> (stragglers this step, new alerts). `per`: what the
+        busy times are of ("sample" for parameter-server workers)."""
         busy = busy_times(breakdown)
         flagged, alerts = [], []
         if len(busy) < 2:
@@ -59,6 +77,6 @@ class StragglerDetector:
                 if rank not in self.reported:
                     self.reported.add(rank)
                     alerts.append({"step": step, "kind": "straggler", "rank": rank, "phase": phase,
-                                   "message": f"rank {rank} is a straggler ({phase}): busy {mine:.3f} s per step, "
+                                   "message": f"rank {rank} is a straggler ({phase}): busy {_seconds(mine)} per {per}, "
                                               f"{excess:.0%} above the other ranks' median for {self.streak[rank]} steps"})
         return flagged, alerts

@@ -20,6 +20,7 @@ from gradmesh.engine.base import Job, StepOutcome, lr_factor, peak_memory_bytes
 from gradmesh.engine.ps.segment import Dispatcher, Segment
 from gradmesh.engine.ps.server import Server
 from gradmesh.engine.ps.slots import OptimizerSlots
+from gradmesh.engine.ps.timing import roles_row
 from gradmesh.engine.ps.worker import Share, Worker, flat_views
 from gradmesh.parallel.ps import Roles, layout_of
 from gradmesh.parallel.registry import Plan
@@ -68,7 +69,16 @@ class ParameterServerEngine:
         else:
             shares = self.worker.run(segment, probe)
         self.positioned = True
-        return self._outcomes(segment, shares, self._gather_stats(segment))
+        roles = self._gather_roles(len(segment.clocks))
+        return self._outcomes(segment, shares, self._gather_stats(segment), roles)
+
+    def _gather_roles(self, steps: int) -> dict:
+        """Every rank's role breakdown of the segment (`gradmesh.engine.ps.timing`), per step."""
+        clock = (self.server or self.worker).clock
+        mine = torch.tensor(clock.take(), dtype=torch.float64)
+        gathered = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
+        dist.all_gather(gathered, mine, group=self.wire.header_group)
+        return roles_row([g.tolist() for g in gathered], steps)
 
     def _gather_stats(self, segment: Segment) -> torch.Tensor:
         """Per step, over every server: staleness sum, count, max, when the step was applied, and
@@ -86,7 +96,7 @@ class ParameterServerEngine:
         stats[:, 4] = sums[-1] / len(segment.clocks)
         return stats
 
-    def _outcomes(self, segment: Segment, shares: dict[int, Share], stats: torch.Tensor):
+    def _outcomes(self, segment: Segment, shares: dict[int, Share], stats: torch.Tensor, roles: dict):
         held = self.state_bytes()
         peak = peak_memory_bytes(self.topology.device)
         before, found = segment.started, []
@@ -97,7 +107,7 @@ class ParameterServerEngine:
             lr = self.job.optimizer_kwargs["lr"] * lr_factor(batch.step, self.job.train)
             outcome = StepOutcome(batch, lr, share.indices, figures,
                                   row={"staleness_max": int(stale_max), "staleness_mean": stale_sum / max(count, 1),
-                                       "wire_bytes": int(wire)},
+                                       "wire_bytes": int(wire), "roles": roles},
                                   detail={"versions": share.versions} if self.worker else {})
             found.append((outcome, max(applied - before, 1e-9)))
             before = max(before, applied)

@@ -22,6 +22,7 @@ import torch.nn as nn
 from gradmesh.comm.ps_wire import Kind, Message, Wire
 from gradmesh.engine.base import lr_factor
 from gradmesh.engine.ps.segment import Dispatcher, Segment
+from gradmesh.engine.ps.timing import RoleClock
 
 
 class Server:
@@ -37,6 +38,7 @@ class Server:
         self.spare: list[torch.Tensor] = []
         self.receiving: dict[int, torch.Tensor] = {}
         self.stats: dict[int, list[float]] = {}
+        self.clock = RoleClock("server")
 
     def state_bytes(self) -> int:
         slots = sum(v.numel() * v.element_size() for v in self.optimizer.state.get(self.param, {}).values()
@@ -55,15 +57,18 @@ class Server:
         self.applied = self.told_done = 0
         self.stats = {clock: [0.0, 0.0, 0.0, segment.started] for clock in segment.clocks}
         while self.applied < segment.total_chunks or (dispatcher and self.told_done < segment.workers):
-            source, message = self.wire.receive_any()
+            with self.clock.phase("idle"):
+                source, message = self.wire.receive_any()
             self.handle(source, message)
-        self.wire.settle()
+        with self.clock.phase("send"):
+            self.wire.settle()
 
     def handle(self, source: int, message: Message) -> None:
         if message.kind == Kind.PUSH:
             low, high = self.buckets[message.bucket]
             buffer = self.receiving.setdefault(source, self._buffer())
-            self.wire.payload_from(source, buffer[low - self.low:high - self.low]).wait()
+            with self.clock.phase("receive"):
+                self.wire.payload_from(source, buffer[low - self.low:high - self.low]).wait()
         elif message.kind == Kind.COMMIT:
             self.commit(source, message)
         elif message.kind == Kind.PULL:
@@ -139,12 +144,15 @@ class Server:
         max_norm = self.job.train.grad_clip
         if max_norm:
             gradient.mul_(min(1.0, max_norm / (norm + 1e-6)))
-        self.wire.settle()  # parameters being sent are not changed under the send
-        self.optimizer.param_groups[0]["lr"] = self.base_lr * lr_factor(clock, self.job.train) * lr_share
-        self.param.grad = gradient
-        self.optimizer.step()
-        self.param.grad = None
+        with self.clock.phase("send"):
+            self.wire.settle()  # parameters being sent are not changed under the send
+        with self.clock.phase("apply"):
+            self.optimizer.param_groups[0]["lr"] = self.base_lr * lr_factor(clock, self.job.train) * lr_share
+            self.param.grad = gradient
+            self.optimizer.step()
+            self.param.grad = None
         self.version += 1
+        self.clock.updates += 1
 
     def record(self, clock: int, staleness: int) -> None:
         entry = self.stats[clock]

@@ -18,6 +18,7 @@ from gradmesh.data import fetch
 from gradmesh.data.sampler import split_evenly
 from gradmesh.engine.base import to_device
 from gradmesh.engine.ps.segment import Segment
+from gradmesh.engine.ps.timing import RoleClock
 from gradmesh.parallel.ps import Layout, Roles
 
 
@@ -61,6 +62,7 @@ class Worker:
                 self.of_param[index].append(b)
         self.pushing, self.task = False, (0, 0, 0)
         self.compute_s = 0.0
+        self.clock = RoleClock("worker")
         for index, p in enumerate(model.parameters()):
             p.register_post_accumulate_grad_hook(lambda p, index=index: self._produced(index))
 
@@ -68,8 +70,9 @@ class Worker:
         """Take shares until the dispatcher has none left; what was done, per step."""
         done = {clock: Share() for clock in segment.clocks}
         while True:
-            self.wire.send(self.roles.dispatcher, Message(Kind.TAKE))
-            reply = self.wire.receive_from(self.roles.dispatcher)
+            with self.clock.phase("wait"):
+                self.wire.send(self.roles.dispatcher, Message(Kind.TAKE))
+                reply = self.wire.receive_from(self.roles.dispatcher)
             if reply.kind == Kind.DONE:
                 break
             least = reply.clock - self.bound if self.bound is not None else 0
@@ -80,12 +83,19 @@ class Worker:
             share.loss, share.samples = share.loss + loss, share.samples + len(indices)
             share.indices += indices
             share.versions.append(min(versions))
-        self.wire.settle()
+            self.clock.samples += len(indices)
+        with self.clock.phase("push"):
+            self.wire.settle()
         return done
 
     def pull(self, least: int) -> list[int]:
         """Every server's shard, once its version is at least `least`; each server's version."""
-        self.wire.settle()
+        with self.clock.phase("push"):
+            self.wire.settle()
+        with self.clock.phase("pull"):
+            return self._pull(least)
+
+    def _pull(self, least: int) -> list[int]:
         posted = []
         for s in range(self.roles.servers):
             server = self.roles.server_rank(s)
@@ -105,14 +115,17 @@ class Worker:
         self.grads.zero_()
         self.task, self.missing = task, [len(self.of_param_bucket(b)) for b in range(len(self.buckets))]
         micro = [m for m in split_evenly(indices, self.job.train.grad_accum) if m]
-        probe.straggle(self.compute_s)  # an injected straggler: its delay is not part of its own time
-        loss_sum, started = 0.0, time.perf_counter()
+        with self.clock.phase("compute"):  # an injected straggler shows as slow compute...
+            probe.straggle(self.compute_s)
+        loss_sum, started = 0.0, time.perf_counter()  # ...but its delay is not part of its own time
         for i, part in enumerate(micro):
-            data = to_device(fetch(self.job.dataset, part), self.device)
-            losses = self.job.loss_fn(self.model, data)
-            self.pushing = i == len(micro) - 1
-            (losses.sum() / batch_size).backward()
-            loss_sum += losses.detach().sum().item()
+            with self.clock.phase("data"):
+                data = to_device(fetch(self.job.dataset, part), self.device)
+            with self.clock.phase("compute"):
+                losses = self.job.loss_fn(self.model, data)
+                self.pushing = i == len(micro) - 1
+                (losses.sum() / batch_size).backward()
+                loss_sum += losses.detach().sum().item()
         self.pushing = False
         self.compute_s = time.perf_counter() - started
         for b in range(len(self.buckets)):  # parameters that got no gradient (unused this step) still push zeros
