@@ -66,7 +66,7 @@ def test_ssp_never_lets_staleness_exceed_its_bound_and_consumes_every_sample_onc
     assert all(len(r["versions"]) >= 1 for r in records if r["indices"])  # each share's parameter version
 
 
-def test_each_role_is_timed_and_the_slow_worker_is_named(catalogue):
+def test_each_role_is_timed_and_the_slow_worker_is_named(catalogue, cli, tmp_path):
     run = digits_run(catalogue, 3, "--strategy", "ps", "--ps-mode", "ssp:2", "--inject", "slow:rank=1,factor=4")
     roles = metrics(run)[-1]["roles"]
     assert roles["worker"]["ranks"] == [0, 1] and roles["server"]["ranks"] == [2]
@@ -76,6 +76,9 @@ def test_each_role_is_timed_and_the_slow_worker_is_named(catalogue):
     assert roles["worker"]["samples"][0] > roles["worker"]["samples"][1]  # the fast worker took more shares
     alerts = [json.loads(line) for line in (run / "alerts.jsonl").read_text().splitlines()]
     assert [(a["kind"], a["rank"], a["phase"]) for a in alerts] == [("straggler", 1, "compute")]
+    copy = copy_run(run, tmp_path / "run")
+    assert cli("report", str(copy)).returncode == 0
+    assert 'alt="staleness"' in (copy / "report.html").read_text() and (copy / "report" / "staleness.png").stat().st_size
 
 
 def test_async_converges_and_consumes_every_sample_once(catalogue):

@@ -52,6 +52,17 @@ def plot_throughput(rows: list[dict], path: Path) -> None:
     fig.savefig(path)
 
 
+def plot_staleness(rows: list[dict], path: Path) -> None:
+    """Parameter servers: versions between the parameters a gradient was computed from and its update."""
+    fig, ax = _figure("Staleness", "versions")
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [_number(r.get("staleness_max")) for r in rows], color="#e45756", linewidth=1.6, label="max")
+    ax.plot(steps, [_number(r.get("staleness_mean")) for r in rows], color="#4c78a8", linewidth=1.6, label="mean")
+    ax.set_ylim(bottom=0)
+    ax.legend(frameon=False)
+    fig.savefig(path)
+
+
 def plot_breakdown(means: dict[str, list[float]], path: Path) -> None:
     fig, ax = _figure("Step time per rank (mean over the run)", "ms", xlabel="")
     ranks = [f"rank {i}" for i in range(len(means["data"]))]
@@ -130,17 +141,20 @@ def write_report(run_dir: str | Path) -> Path:
         (out / "breakdown.png").unlink(missing_ok=True)  # an older run's plot would mislead
     peak = (summary or {}).get("peak_memory_bytes") or rows[-1].get("peak_memory_bytes") or []
     plot_memory(peak, rows[-1].get("model_state_bytes") or [], out / "memory.png")
+    stale = "staleness_max" in rows[-1]
+    if stale:
+        plot_staleness(rows, out / "staleness.png")
+    plots = ["loss", "throughput"] + (["breakdown"] if means else []) + ["memory"] + (["staleness"] if stale else [])
     page = run_dir / "report.html"
-    atomic_write(page, _html(run_dir, rows, summary, means is not None, read_jsonl(run_dir / "alerts.jsonl")))
+    atomic_write(page, _html(run_dir, rows, summary, plots, read_jsonl(run_dir / "alerts.jsonl")))
     return page
 
 
-def _html(run_dir: Path, rows, summary, has_breakdown: bool, alerts: list[dict]) -> str:
+def _html(run_dir: Path, rows, summary, plots: list[str], alerts: list[dict]) -> str:
     esc = html.escape
     table = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _summary_rows(rows, summary))
-    plots = ["loss", "throughput"] + (["breakdown"] if has_breakdown else []) + ["memory"]
     figures = "".join(f'<img src="report/{name}.png" alt="{name}">' for name in plots)
-    if not has_breakdown:
+    if "breakdown" not in plots:
         figures += '<p class="muted">no breakdown recorded</p>'
     newest = sorted(alerts, key=lambda a: (_sortable(a.get("time")), _sortable(a.get("step"))), reverse=True)
     items = "".join(f'<li class="alert {esc(str(a.get("kind", "")))}"><b>{esc(str(a.get("kind", "alert")))}</b> '
