@@ -29,7 +29,7 @@ INPLACE_COLLECTIVE_TIMEOUT = 10.0
 def add_parser(subparsers) -> None:
     train = subparsers.add_parser("train", help="train a built-in model on N workers",
                                   description="Train a built-in workload on N workers: data parallel, sharded, "
-                                              "tensor or pipeline parallel, or composed on a mesh.")
+                                              "tensor or pipeline parallel, composed on a mesh, or with parameter servers.")
     _add_what_options(train)
     _add_how_options(train)
     run = _add_run_options(train)
