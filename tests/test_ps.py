@@ -34,6 +34,7 @@ def test_sync_trains_the_single_process_model(catalogue):
     assert summary(adamw)["strategy"] == "ps"
 
 
+@pytest.mark.slow  # one more run; sync parity and the ssp bound stay in the fast tier
 def test_ssp0_is_sync(catalogue):
     sync = ps_run(catalogue, 3, "--optimizer", "adamw")
     ssp0 = ps_run(catalogue, 3, "--optimizer", "adamw", "--ps-mode", "ssp:0")
@@ -92,6 +93,7 @@ def test_async_converges_and_consumes_every_sample_once(catalogue):
     assert summary(run)["staleness"]["max"] == max(r["staleness_max"] for r in rows)
 
 
+@pytest.mark.slow  # resharding across strategies stays in the fast tier in test_sharded
 def test_a_ps_checkpoint_resumes_under_ddp(catalogue, tmp_path):
     split = copy_run(sync_sgd_two_servers(catalogue), tmp_path / "split")
     checkpoint.checkpoint_root(split).joinpath("step-20").rename(split / "not-this-one")
@@ -99,6 +101,7 @@ def test_a_ps_checkpoint_resumes_under_ddp(catalogue, tmp_path):
     assert rel_l2(weights(split), weights(ddp_run(catalogue, 1, "sgd"))) <= 1e-5
 
 
+@pytest.mark.slow  # as above
 def test_a_ddp_checkpoint_resumes_under_ps(catalogue, tmp_path):
     split = copy_run(half_run(catalogue, 2), tmp_path / "split")
     train(split, 3, "--resume", "--strategy", "ps", "--max-steps", "20")
@@ -140,6 +143,7 @@ def test_the_dispatcher_hands_out_every_share_once(static):
     assert sorted(handed) == segment.order() and len(segment.order()) == 3 * 3 + 2
 
 
+@pytest.mark.slow  # a restart of every rank; restart recovery stays in the fast tier in test_faults
 def test_a_dead_server_restarts_every_rank_from_the_last_checkpoint(catalogue, tmp_path):
     """Rank 2 is the server: killed at step 15, the job restarts from the step-10 checkpoint
     (restart recovery checkpoints every 10 steps) and ends where the run without a fault ends."""
