@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=64)
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--strategy", default="ddp", help="ddp, zero1, fsdp or ps (the last rank a parameter server)")
     args = parser.parse_args()
 
     session = gradmesh.init()                      # 1. join the job (or be rank 0 of 1)
@@ -52,8 +53,8 @@ def main() -> None:
         session, model, per_sample_loss, Regression(args.samples),
         train=gradmesh.TrainConfig(global_batch_size=args.global_batch_size, grad_accum=args.grad_accum,
                                    max_steps=args.steps, decay_steps=args.steps, warmup_steps=0,
-                                   lr=0.01, optimizer=args.optimizer),
-        run_dir=args.run_dir,
+                                   lr=0.01, optimizer=args.optimizer, strategy=args.strategy),
+        run_dir=args.run_dir, ps=gradmesh.PSConfig(servers=1),
     )
     summary = trainer.fit()                        # 3. train: metrics, checkpoints, weights
     trainer.print_summary()

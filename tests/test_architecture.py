@@ -190,3 +190,12 @@ def test_segments_of_an_engine_out_of_lockstep_end_where_a_service_needs_every_r
     assert Trainer._segment_end(trainer, 120) == 130
     trainer.services.all.append(EveryFour())
     assert [Trainer._segment_end(trainer, s) for s in (0, 4, 5)] == [4, 8, 8]
+
+
+def test_a_strategy_named_on_a_sessions_default_mesh_runs_alone_over_its_ranks():
+    """gradmesh.init() gives a one-axis dp mesh: Trainer(strategy="fsdp") had run ddp on it."""
+    assert (registry.resolve("fsdp", {"dp": 2}).label, registry.resolve("fsdp", {"dp": 2}).mesh) == ("fsdp", {"fsdp": 2})
+    assert registry.resolve("ps", {"dp": 3}).engine == "ps"
+    assert registry.resolve("zero1", {"dp": 2}).label == "zero1"
+    with pytest.raises(UsageError, match="does not combine"):
+        registry.resolve("ps", {"dp": 2, "tp": 2})

@@ -1,5 +1,6 @@
 """`gradmesh run`: torchrun-compatible scripts, the Python API, and worker crashes."""
 
+import json
 import re
 import subprocess
 import sys
@@ -57,6 +58,12 @@ def test_python_api_example_matches_single_process_with_an_empty_share(tmp_path)
     assert double.returncode == 0, double.stderr
     assert "final loss" in double.stdout
     assert rel_l2(weights(tmp_path / "two"), weights(tmp_path / "one")) <= 1e-5
+    # the same API with a parameter server (rank 2) and two workers
+    served = gradmesh("run", "--nproc", "3", str(EXAMPLE), "--run-dir", str(tmp_path / "ps"), *args,
+                      "--strategy", "ps", timeout=120)
+    assert served.returncode == 0, served.stderr
+    assert json.loads((tmp_path / "ps" / "summary.json").read_text())["strategy"] == "ps"
+    assert rel_l2(weights(tmp_path / "ps"), weights(tmp_path / "one")) <= 1e-5
 
 
 def test_a_plain_scripts_own_store_listens_on_loopback_only(monkeypatch):

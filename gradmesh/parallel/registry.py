@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gradmesh.errors import UsageError
-from gradmesh.mesh import parse_mesh
+from gradmesh.mesh import DATA_AXES, parse_mesh
 
 FP32 = 4
 
@@ -246,6 +246,10 @@ def resolve(name: str, mesh: dict[str, int]) -> Plan:
     row = get(name)
     if set(mesh) == {row.axis}:
         return Plan(row.name, dict(mesh), (row,))
+    if len(mesh) == 1 and set(mesh) <= set(DATA_AXES) and not row.splits_model:
+        # One data axis (a session's default mesh): the strategy named runs alone over its ranks;
+        # fsdp and ps named on it had run as ddp.
+        return Plan(row.name, {row.axis: sum(mesh.values())}, (row,))
     if row.axis not in COMPOSITION_ORDER:
         raise UsageError(f"--strategy {name} does not combine with other mesh axes ({', '.join(mesh)}); leave --mesh out")
     rows = tuple(STRATEGIES[AXIS_STRATEGY[axis]] for axis in COMPOSITION_ORDER if axis in mesh)
