@@ -41,7 +41,8 @@ def ddp_run(catalogue: Catalogue, nproc: int, optimizer: str) -> Path:
 
 
 def sharded_run(catalogue: Catalogue, nproc: int, optimizer: str, strategy: str) -> Path:
-    return catalogue.run(nproc, *STEPS, "--optimizer", optimizer, "--strategy", strategy)
+    """zero1 or fsdp for 20 steps, with TENS (resharding tests resume copies from step 10)."""
+    return catalogue.run(nproc, *STEPS, "--optimizer", optimizer, "--strategy", strategy, *TENS)
 
 
 def wide_run(catalogue: Catalogue, nproc: int, optimizer: str, *layout: str) -> Path:

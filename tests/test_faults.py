@@ -75,13 +75,6 @@ def test_a_hang_is_detected_and_the_hung_rank_named(tmp_path):
     assert "before_step" in (tmp_path / "stacks-rank1.txt").read_text()
 
 
-@pytest.mark.slow  # a hang (detected, fast tier) then a restart (fast tier)
-def test_a_hang_under_restart_recovery_is_survived(fault_free, tmp_path):
-    train(tmp_path, 2, *ARGS, *RESTART, "--step-timeout", "3", "--inject", "hang:rank=0,step=8")
-    assert [f.get("event", "fault") for f in fired(tmp_path)][:2] == ["fault", "hang"]
-    assert_same_as(tmp_path, fault_free)
-
-
 def test_without_recovery_a_kill_ends_the_run_naming_the_rank(tmp_path):
     result = train(tmp_path, 2, *ARGS, "--inject", "kill:rank=1,step=3", check=False)
     assert result.returncode == 1 and "worker rank 1" in result.stderr and "SIGKILL" in result.stderr

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from catalogue import copy_run
 from gradmesh.fault import checkpoint
 from helpers import gradmesh, metrics, rel_l2, summary, train, weights
-from runs import ddp_run, half_run, sharded_run
+from runs import at_step_10, ddp_run, half_run, sharded_run
 
 ARGS = ["--global-batch-size", "16", "--optimizer", "adamw"]
 
@@ -26,7 +26,10 @@ def uninterrupted(catalogue):
     pytest.param(("zero1", 4), ("fsdp", 2), marks=pytest.mark.slow)])
 def test_checkpoint_resumes_under_another_strategy_and_world_size(uninterrupted, catalogue, tmp_path, first, second):
     (strategy_a, n_a), (strategy_b, n_b) = first, second
-    run = copy_run(half_run(catalogue, n_a, strategy_a), tmp_path / "run")
+    if strategy_a == "ddp":
+        run = copy_run(half_run(catalogue, n_a), tmp_path / "run")
+    else:  # the parity run, resumed from its step-10 checkpoint
+        run = at_step_10(sharded_run(catalogue, n_a, "adamw", strategy_a), tmp_path / "run")
     state = checkpoint.read_state(checkpoint.latest_checkpoint(run))
     assert (state["strategy"], state["world_size"]) == (strategy_a, n_a)
     train(run, n_b, "--resume", "--strategy", strategy_b, "--max-steps", "20")
@@ -84,17 +87,17 @@ def test_async_checkpoint_failure_surfaces(tmp_path):
 
 def test_export_writes_the_unsharded_weights_of_any_checkpoint(catalogue, cli, tmp_path):
     """In-process (export starts no workers); the real entry point is covered in test_cli_errors."""
-    run = half_run(catalogue, 2, "fsdp")  # checkpoints at steps 5 and 10; export only reads them
+    run = sharded_run(catalogue, 2, "adamw", "fsdp")  # checkpoints at steps 10 and 20; export only reads them
     out = tmp_path / "exported.safetensors"
     result = cli("export", str(run), "--out", str(out))
     assert result.returncode == 0, result.stderr
     exported, final = load_file(str(out)), weights(run)
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
-    early = tmp_path / "step5.safetensors"
-    assert cli("export", str(run), "--step", "5", "--out", str(early)).returncode == 0
+    early = tmp_path / "step10.safetensors"
+    assert cli("export", str(run), "--step", "10", "--out", str(early)).returncode == 0
     assert rel_l2(load_file(str(early)), final) > 1e-4  # a different point of training
     bad = cli("export", str(run), "--step", "4", "--out", str(early))
-    assert bad.returncode == 2 and "available steps: 5, 10" in bad.stderr
+    assert bad.returncode == 2 and "available steps: 10, 20" in bad.stderr
 
 
 @pytest.mark.parametrize("strategy, formula", [

@@ -57,6 +57,9 @@ def test_restart_recovery_survives_a_chaos_soak(catalogue, floor, tmp_path):
     fired = chaos_log(tmp_path)
     assert [e["fault"] for e in fired][:2] == ["chaos#0:kill@step=5,at=checkpoint", "chaos#1:kill@step=7"]
     assert len(fired) == 5 and {e["rank"] for e in fired if "kill" in e["fault"] or "hang" in e["fault"]} == {0, 1}
+    # the hang was detected by the watchdog and survived by a restart (test_faults' hang-under-restart case)
+    events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "hang" for e in events)
     assert_survived(tmp_path, ddp_run(catalogue, 2, "adamw"), floor)
 
 

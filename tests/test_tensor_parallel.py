@@ -16,10 +16,10 @@ def reference(catalogue):
     return References(lambda optimizer: wide_run(catalogue, 1, optimizer))
 
 
-# sgd at 2 ranks in the fast tier: unlike adamw it cannot hide a wrong gradient scale.
+# sgd at 2 ranks in the fast tier: unlike adamw it cannot hide a wrong gradient scale; at 4 ranks
+# sgd alone (adamw at 4 ranks is the fsdp=2,tp=2 mesh's case below).
 @pytest.mark.parametrize("optimizer, nproc", [
-    ("sgd", 2), pytest.param("adamw", 2, marks=SLOW), pytest.param("sgd", 4, marks=SLOW),
-    pytest.param("adamw", 4, marks=SLOW)])
+    ("sgd", 2), pytest.param("adamw", 2, marks=SLOW), pytest.param("sgd", 4, marks=SLOW)])
 def test_tensor_parallel_matches_single_process(reference, catalogue, nproc, optimizer):
     run = wide_run(catalogue, nproc, optimizer, "--strategy", "tp")
     assert rel_l2(weights(run), reference[optimizer]) <= 1e-5
