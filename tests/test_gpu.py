@@ -39,3 +39,12 @@ def test_one_rank_on_cuda_matches_one_rank_on_cpu(tmp_path):
     train(tmp_path / "cuda", 1, *args, "--device", "cuda")
     train(tmp_path / "cpu", 1, *args, "--device", "cpu")
     assert rel_l2(weights(tmp_path / "cuda"), weights(tmp_path / "cpu")) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp:0"])
+def test_parameter_servers_on_nccl_match_single_process(reference, tmp_path, mode):
+    """Payloads on NCCL (one rank per GPU), headers on gloo: 2 workers and a server need 3 GPUs."""
+    if gpus() < 3:
+        pytest.skip("a parameter server and two workers on NCCL need three GPUs (one per rank)")
+    train(tmp_path, 3, *STEPS, "--optimizer", "adamw", "--strategy", "ps", "--ps-mode", mode)
+    assert rel_l2(weights(tmp_path), reference["adamw"]) <= TOLERANCE
