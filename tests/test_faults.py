@@ -155,3 +155,20 @@ def test_bad_injections_are_refused_before_launch(cli, tmp_path, spec, words):
     result = cli("train", "--nproc", "2", "--run-dir", str(tmp_path), "--inject", spec)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert all(w in result.stderr for w in words), result.stderr
+
+
+def test_the_rank_killed_from_outside_is_named_not_a_peer_that_aborted_after_it():
+    """Under load the agent can reap a peer that aborted on the broken connection (SIGABRT) before
+    the rank that was killed; the killed one is the cause."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from gradmesh.launch import describe_failure
+
+    aborted = ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGABRT, error_file="/nonexistent")
+    killed = ProcessFailure(local_rank=1, pid=11, exitcode=-signal.SIGKILL, error_file="/nonexistent")
+    aborted.timestamp, killed.timestamp = 1, 2
+    line = describe_failure(ChildFailedError("worker", {0: aborted, 1: killed}))
+    assert line.startswith("gradmesh: worker rank 1 (pid 11) was killed by SIGKILL")
+    assert "rank 0" in describe_failure(ChildFailedError("worker", {0: aborted}))

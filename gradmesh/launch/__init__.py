@@ -8,6 +8,7 @@ short, clear report when a worker fails.
 
 import contextlib
 import logging
+import signal
 import sys
 import uuid
 
@@ -42,8 +43,16 @@ def torchrun_args(launch: LaunchConfig, nproc: int, max_restarts: int = 0) -> li
     return args
 
 
+def root_failure(err: ChildFailedError):
+    """(rank, failure) of the worker that failed first. A rank killed from outside (SIGKILL: the OOM
+    killer, an injected fault) is the cause when there is one: its peers then abort on the broken
+    connection (gloo's SIGABRT), and under load one of them could be reaped before it."""
+    killed = [(rank, f) for rank, f in err.failures.items() if f.exitcode == -signal.SIGKILL]
+    return min(killed, key=lambda item: item[1].timestamp) if killed else err.get_first_failure()
+
+
 def describe_failure(err: ChildFailedError) -> str:
-    rank, failure = err.get_first_failure()
+    rank, failure = root_failure(err)
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
     elif failure.exitcode == EXIT_HANG:
