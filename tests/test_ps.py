@@ -82,6 +82,7 @@ def test_each_role_is_timed_and_the_slow_worker_is_named(catalogue, cli, tmp_pat
     assert 'alt="staleness"' in (copy / "report.html").read_text() and (copy / "report" / "staleness.png").stat().st_size
 
 
+@pytest.mark.slow  # one more run; the ssp run keeps dynamic shares and exactly-once in the fast tier
 def test_async_converges_and_consumes_every_sample_once(catalogue):
     run = ps_run(catalogue, 3, "--optimizer", "adamw", "--ps-mode", "async", *RECORDED)
     reference = ddp_run(catalogue, 1, "adamw")

@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from helpers import gradmesh, rel_l2, weights
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "train_custom.py"
@@ -58,9 +60,16 @@ def test_python_api_example_matches_single_process_with_an_empty_share(tmp_path)
     assert double.returncode == 0, double.stderr
     assert "final loss" in double.stdout
     assert rel_l2(weights(tmp_path / "two"), weights(tmp_path / "one")) <= 1e-5
-    # the same API with a parameter server (rank 2) and two workers
+
+
+@pytest.mark.slow  # two more runs; the API's data-parallel case above stays in the fast tier
+def test_python_api_with_a_parameter_server_matches_single_process(tmp_path):
+    args = ["--samples", "33", "--global-batch-size", "8", "--grad-accum", "2", "--steps", "12", "--optimizer", "sgd"]
+    single = subprocess.run([sys.executable, str(EXAMPLE), "--run-dir", str(tmp_path / "one"), *args],
+                            capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
     served = gradmesh("run", "--nproc", "3", str(EXAMPLE), "--run-dir", str(tmp_path / "ps"), *args,
-                      "--strategy", "ps", timeout=120)
+                      "--strategy", "ps", timeout=120)  # rank 2 the server, two workers
     assert served.returncode == 0, served.stderr
     assert json.loads((tmp_path / "ps" / "summary.json").read_text())["strategy"] == "ps"
     assert rel_l2(weights(tmp_path / "ps"), weights(tmp_path / "one")) <= 1e-5
