@@ -51,7 +51,7 @@ class ParameterServerEngine:
                                  self.wire, job, self.bound, servers_group)
             self.optimizer = self.server.optimizer
         else:
-            self.worker = Worker(topology.rank, self.roles, self.layout, model, self.flat, grads, self.wire, job,
+            self.worker = Worker(self.roles, self.layout, model, self.flat, grads, self.wire, job,
                                  self.bound, bucket, topology.device)
         self.positioned = False
 

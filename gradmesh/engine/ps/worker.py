@@ -49,17 +49,20 @@ def flat_views(model: nn.Module, device: torch.device, gradients: bool = True) -
 
 
 class Worker:
-    def __init__(self, rank: int, roles: Roles, layout: Layout, model: nn.Module, flat, grads, wire: Wire, job,
+    def __init__(self, roles: Roles, layout: Layout, model: nn.Module, flat, grads, wire: Wire, job,
                  bound: int | None, bucket_elements: int, device: torch.device):
-        self.rank, self.roles, self.layout, self.model = rank, roles, layout, model
+        self.roles, self.layout, self.model = roles, layout, model
         self.flat, self.grads, self.wire, self.job, self.bound, self.device = flat, grads, wire, job, bound, device
         self.buckets = [(s, k, low, high) for s in range(roles.servers)
                         for k, (low, high) in enumerate(layout.buckets(s, bucket_elements))]
-        self.missing = [0] * len(self.buckets)
         self.of_param: list[list[int]] = [[] for _ in layout.numels]
+        self.needed = []  # per bucket: the parameters whose gradients it waits for
         for b, (_, _, low, high) in enumerate(self.buckets):
-            for index in layout.params_in(low, high):
+            overlapping = layout.params_in(low, high)
+            self.needed.append(len(overlapping))
+            for index in overlapping:
                 self.of_param[index].append(b)
+        self.missing = list(self.needed)
         self.pushing, self.task = False, (0, 0, 0)
         self.compute_s = 0.0
         self.clock = RoleClock("worker")
@@ -113,7 +116,7 @@ class Worker:
         """Forward and backward of one share (weighted 1 / global batch, as data parallelism
         weights it); its buckets go out as backward produces them, then a commit to every server."""
         self.grads.zero_()
-        self.task, self.missing = task, [len(self.of_param_bucket(b)) for b in range(len(self.buckets))]
+        self.task, self.missing = task, list(self.needed)
         micro = [m for m in split_evenly(indices, self.job.train.grad_accum) if m]
         with self.clock.phase("compute"):  # an injected straggler shows as slow compute...
             probe.straggle(self.compute_s)
@@ -138,10 +141,6 @@ class Worker:
             self.wire.send(self.roles.server_rank(s), Message(Kind.COMMIT, clock=clock, chunk=chunk, version=versions[s],
                                                               samples=len(indices), loss=loss_sum, norm_sq=norm_sq))
         return loss_sum
-
-    def of_param_bucket(self, bucket: int) -> list[int]:
-        _, _, low, high = self.buckets[bucket]
-        return self.layout.params_in(low, high)
 
     def _produced(self, index: int) -> None:
         if not self.pushing:
