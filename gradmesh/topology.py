@@ -222,7 +222,8 @@ class Topology:
         group's C++ object under it was seen to crash the process."""
         self.retired.append([group for group in dist.distributed_c10d._world.pg_map])
         dist.destroy_process_group()
-        self.rank, self.world_size, self.mesh_shape = rank, world_size, {"dp": world_size}
+        axis = next(iter(self.mesh_shape)) if len(self.mesh_shape) == 1 else "dp"  # ddp's dp, ps's ps
+        self.rank, self.world_size, self.mesh_shape = rank, world_size, {axis: world_size}
         self.start(generation)
         return self
 

@@ -53,7 +53,7 @@ CASES = {
     "ps negative bound": (["--strategy", "ps", "--nproc", "3", "--ps-mode", "ssp:-1"], ["ssp:-1", "sync, async, ssp:K"]),
     "ps malformed mode": (["--strategy", "ps", "--nproc", "3", "--ps-mode", "bounded"], ["bounded", "sync, async"]),
     "ps on a mesh": (["--strategy", "ps", "--nproc", "4", "--mesh", "dp=2,tp=2"], ["ps", "--mesh"]),
-    "ps with in-place recovery": (["--strategy", "ps", "--nproc", "3", "--recovery", "inplace"], ["--recovery inplace", "ps"]),
+    "ps with a step timeout": (["--strategy", "ps", "--nproc", "3", "--step-timeout", "30"], ["--step-timeout", "ps"]),
     "ps batch not divisible": (["--strategy", "ps", "--nproc", "4", "--global-batch-size", "32"], ["32", "workers", "multiple of 3"]),
     "ps options without ps": (["--ps-mode", "async"], ["--ps-mode", "--strategy ps"]),
     "missing data": (["--data", "{tmp}/nope.txt"], ["nope.txt", "does not exist"]),

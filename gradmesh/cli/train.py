@@ -84,8 +84,10 @@ def _add_failure_options(train: argparse.ArgumentParser) -> None:
     faults = train.add_argument_group("failures")
     faults.add_argument("--recovery", choices=configuration.RECOVERY,
                         help="restart: every worker restarts from the latest checkpoint; inplace: the survivors "
-                             "go on from the current step (ddp, one machine) (default none)")
-    faults.add_argument("--max-restarts", type=integer, metavar="K", help="restart: worker-group restarts allowed; inplace: replacement workers started for lost ones (default 3)")
+                             "go on from the current step (ddp and ps, one machine; under ps a lost server "
+                             "restarts every rank) (default none)")
+    faults.add_argument("--max-restarts", type=integer, metavar="K", help="restart: worker-group restarts allowed; inplace: replacement workers started for lost ones "
+                             "(ps: restarts after a lost server) (default 3)")
     faults.add_argument("--step-timeout", type=number, metavar="SECONDS",
                         help="declare a hang when a step makes no progress this long: stacks dumped, ranks named (default off)")
     faults.add_argument("--inject", action="append", metavar="FAULT",
@@ -238,7 +240,9 @@ def _launch(cfg: configuration.Config, nproc: int, run_dir: Path | None) -> int:
 def _start(cfg: configuration.Config, nproc: int, run_dir: Path) -> int:
     from gradmesh.launch import run_workers
 
-    if cfg.fault.recovery == "restart" and not cfg.checkpoint.every:
+    inplace = cfg.fault.recovery == "inplace"
+    critical = registry.critical_ranks(cfg, nproc * cfg.launch.nnodes) if inplace else frozenset()
+    if (cfg.fault.recovery == "restart" or critical) and not cfg.checkpoint.every:
         cfg.checkpoint.every = RESTART_CHECKPOINT_EVERY  # a restart must have something recent to resume
     if not cfg.checkpoint.resume:
         _start_fresh(run_dir, cfg.run.overwrite, cfg.run.quiet)
@@ -246,7 +250,8 @@ def _start(cfg: configuration.Config, nproc: int, run_dir: Path) -> int:
     atomic_write(config_path, cfg.to_toml())
     restarts = cfg.fault.max_restarts if cfg.fault.recovery != "none" else 0
     return run_workers(cfg.launch, nproc, ["-m", "gradmesh.worker", str(config_path)], max_restarts=restarts,
-                       inplace=(cfg.fault.step_timeout or INPLACE_COLLECTIVE_TIMEOUT) if cfg.fault.recovery == "inplace" else 0.0)
+                       inplace=(cfg.fault.step_timeout or INPLACE_COLLECTIVE_TIMEOUT) if inplace else 0.0,
+                       critical=critical)
 
 
 def _start_fresh(run_dir: Path, overwrite: bool, quiet: bool) -> None:

@@ -9,13 +9,14 @@ why the header travels apart). Between two ranks messages arrive in the order se
 payload always follows its header. Nothing is pickled.
 """
 
+import threading
 from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
 import torch.distributed as dist
 
-HEADER = 8
+HEADER = 9
 
 
 class Kind(IntEnum):
@@ -33,6 +34,13 @@ class Kind(IntEnum):
     """server -> worker: my shard at `version` (payload follows)."""
     DONE = 7
     """dispatcher -> worker: no share is left in this segment."""
+    RETRY = 8
+    """server -> worker, instead of PARAMS: give your share back and take another (an earlier
+    share, lost with a worker, must be done first; waiting for it would wait forever)."""
+    CANCEL = 9
+    """worker -> server: forget my waiting PULL (answered RETRY if it was still waiting)."""
+    RETURN = 10
+    """worker -> dispatcher: I did not start the share (clock, chunk); hand it out again."""
 
 
 @dataclass(frozen=True)
@@ -45,19 +53,21 @@ class Message:
     version: int = 0
     samples: int = 0
     bucket: int = 0
+    oldest: int = 0
+    """COMMIT: the lowest version over the servers the share was computed from."""
     loss: float = 0.0
     norm_sq: float = 0.0
 
     def encode(self) -> torch.Tensor:
-        head = torch.tensor([int(self.kind), self.clock, self.chunk, self.version, self.samples, self.bucket, 0, 0],
-                            dtype=torch.int64)
-        head[6:].view(torch.float64).copy_(torch.tensor([self.loss, self.norm_sq], dtype=torch.float64))
+        head = torch.tensor([int(self.kind), self.clock, self.chunk, self.version, self.samples, self.bucket,
+                             self.oldest, 0, 0], dtype=torch.int64)
+        head[7:].view(torch.float64).copy_(torch.tensor([self.loss, self.norm_sq], dtype=torch.float64))
         return head
 
     @classmethod
     def decode(cls, head: torch.Tensor) -> "Message":
-        whole = head[:6].tolist()
-        loss, norm_sq = head[6:].view(torch.float64).tolist()
+        whole = head[:7].tolist()
+        loss, norm_sq = head[7:].view(torch.float64).tolist()
         return cls(Kind(whole[0]), *whole[1:], loss=loss, norm_sq=norm_sq)
 
 
@@ -66,27 +76,50 @@ class Wire:
 
     def __init__(self, header_group, payload_group, counter=None):
         self.header_group, self.payload_group, self.counter = header_group, payload_group, counter
-        self.inbox = torch.zeros(HEADER, dtype=torch.int64)
         self.pending: list = []
+        self.incoming = None
+        """A receive from anyone still posted: (work, header buffer, event set once it completed,
+        the error it failed with)."""
 
     def send(self, dst: int, message: Message, payload: torch.Tensor | None = None) -> None:
         head = message.encode()
-        self.pending.append((dist.isend(head, dst, group=self.header_group), head))  # the tensor lives until sent
+        self.pending.append((dist.isend(head, dst, group=self.header_group), head, dst))  # the tensor lives until sent
         nbytes = head.numel() * head.element_size()
         if payload is not None:
-            self.pending.append((dist.isend(payload, dst, group=self.payload_group), payload))
+            self.pending.append((dist.isend(payload, dst, group=self.payload_group), payload, dst))
             nbytes += payload.numel() * payload.element_size()
         if self.counter is not None:
             self.counter.add(nbytes)
 
-    def receive_any(self) -> tuple[int, Message]:
-        """Blocks for the next header from anyone: (sender's rank, message)."""
-        source = dist.recv(self.inbox, group=self.header_group)
-        return source, Message.decode(self.inbox)
+    def receive_any(self, lookout=None) -> tuple[int, Message] | None:
+        """Blocks for the next header from anyone: (sender's rank, message).
+
+        `lookout`: a callable, true once a peer is lost. gloo cannot cancel a posted receive nor
+        wake a thread blocked in one, so the receive is waited for in a helper thread and this
+        returns None as soon as the lookout sees a loss; the receive stays posted, and the next
+        call goes on waiting for it."""
+        if self.incoming is None:
+            head = torch.zeros(HEADER, dtype=torch.int64)
+            work, arrived, errors = dist.irecv(head, group=self.header_group), threading.Event(), []
+            self.incoming = (work, head, arrived, errors)
+            if lookout is not None:
+                threading.Thread(target=_wait_then_set, args=(work, arrived, errors), daemon=True).start()
+        work, head, arrived, errors = self.incoming
+        if lookout is None:
+            work.wait()
+        else:
+            while not arrived.wait(0.05):
+                if lookout():
+                    return None
+        self.incoming = None
+        if errors:
+            raise errors[0]
+        return work._source_rank(), Message.decode(head)
 
     def receive_from(self, source: int) -> Message:
-        dist.recv(self.inbox, source, group=self.header_group)
-        return Message.decode(self.inbox)
+        inbox = torch.zeros(HEADER, dtype=torch.int64)
+        dist.recv(inbox, source, group=self.header_group)
+        return Message.decode(inbox)
 
     def expect(self, source: int) -> tuple[torch.Tensor, object]:
         """Post a receive of the next header from `source`: (buffer, work)."""
@@ -97,8 +130,26 @@ class Wire:
         """Post a receive of a payload from `source` straight into `into` (a range of a flat buffer)."""
         return dist.irecv(into, source, group=self.payload_group)
 
-    def settle(self) -> None:
-        """Wait for every send issued so far (a buffer they read from may be reused after)."""
-        for work, _ in self.pending:
-            work.wait()
+    def settle(self, tolerant: bool = False) -> set[int]:
+        """Wait for every send issued so far (a buffer they read from may be reused after).
+
+        `tolerant`: a send to a peer that died fails; carry on and return those peers' ranks."""
+        failed = set()
+        for work, _, dst in self.pending:
+            try:
+                work.wait()
+            except RuntimeError:
+                if not tolerant:
+                    raise
+                failed.add(dst)
         self.pending = []
+        return failed
+
+
+def _wait_then_set(work, arrived: threading.Event, errors: list) -> None:
+    """A helper thread's wait (a gloo work is waited for once: a second wait blocks)."""
+    try:
+        work.wait()
+    except RuntimeError as err:
+        errors.append(err)
+    arrived.set()

@@ -51,6 +51,9 @@ class StepProbe:
     straggle: Callable[[float], None] = _nothing
     """Called before a piece of work like one that took this many seconds (an injected straggler
     sleeps in proportion): engines whose ranks do not step together."""
+    reached: Callable[[int], None] = _nothing
+    """Called as work on a step starts (an injected kill or hang at that step fires here):
+    engines whose ranks do not step together, inside a segment rather than before it."""
 
 
 @dataclass
@@ -90,6 +93,8 @@ class Job:
     """gradmesh.comm.CommCounter of the job."""
     ps: object = None
     """gradmesh.config.PSConfig: servers and mode under the parameter-server strategy."""
+    membership: object = None
+    """gradmesh.fault.inplace.Membership under in-place recovery, else None."""
 
 
 def lr_factor(step: int, train: TrainConfig) -> float:

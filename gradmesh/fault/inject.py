@@ -75,13 +75,20 @@ class Injector:
         while True:  # hang: never return, as a deadlocked worker would not
             time.sleep(3600)
 
-    def before_step(self, step: int) -> None:
+    def before_step(self, step: int, explicit: bool = True) -> None:
         self.step = step
-        for fault in self.faults:
-            if fault.kind in ("kill", "hang") and fault.chaos < 0 and fault.at == "step" and fault.step == step:
-                self._fire(fault, step)
+        if explicit:
+            self.reached(step, exact=True)
         if (chaos := self._due_chaos(step, "step")) is not None:
             self._fire(chaos, step)
+
+    def reached(self, step: int, exact: bool = False) -> None:
+        """Work on `step` starts: a kill or hang at it fires (not exact: at it or before it, for
+        a rank that skipped the step itself, as a parameter-server worker may)."""
+        for fault in self.faults:
+            if (fault.kind in ("kill", "hang") and fault.chaos < 0 and fault.at == "step"
+                    and (fault.step == step if exact else fault.step <= step)):
+                self._fire(fault, step)
 
     def at_checkpoint(self, step: int) -> None:
         for fault in self.faults:

@@ -106,6 +106,8 @@ class Membership:
         self.lock = threading.Lock()
         self.pending: set[torch.futures.Future] = set()
         self.lost_at = -1
+        self.departed: set[int] = set()
+        """Identities seen to leave (cumulative): a parameter server hands their work to others."""
         if watch_store is not None:
             threading.Thread(target=self._watch, args=(watch_store,), name="gradmesh-membership", daemon=True).start()
 
@@ -117,17 +119,20 @@ class Membership:
                 newest = whole(store.get(GENERATION), "the newest generation")
                 with self.lock:  # one consistent view: the main thread may be entering a generation
                     generation, current = self.generation, set(self.members)
-                if newest > generation and newest > self.lost_at and not current <= set(members_of(store, newest)):
-                    self._fail_pending(newest, seen_in=generation)
+                if newest > generation and newest > self.lost_at:
+                    departed = current - set(members_of(store, newest))
+                    if departed:
+                        self._fail_pending(newest, seen_in=generation, departed=departed)
             except Exception:  # the launcher and its store are gone: the job is over
                 return
             time.sleep(poll)
 
-    def _fail_pending(self, generation: int, seen_in: int) -> None:
+    def _fail_pending(self, generation: int, seen_in: int, departed: set[int]) -> None:
         with self.lock:
             if self.generation != seen_in:
                 return  # regrouped past that loss meanwhile: failing the new group's step would be spurious
             self.lost_at = generation
+            self.departed |= departed
             pending, self.pending = self.pending, set()
         for future in pending:
             if not future.done():

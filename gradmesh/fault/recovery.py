@@ -42,6 +42,19 @@ class InplaceRecovery(Service):
                 self.membership.next()
                 self.regroup(err, in_flight=batch)
 
+    def run_segment(self, batches, probe):
+        """An engine whose ranks do not step together (parameter servers) survives a lost worker
+        within the segment itself; the segment's report then goes to the survivors' new group."""
+        done = self.ctx.engine.work_segment(batches, probe)
+        while True:
+            try:
+                return self.ctx.engine.report_segment(done)
+            except RuntimeError as err:  # MembersLost, or gloo's own error for the lost peer
+                for service in self.services:
+                    service.regrouping()
+                self.membership.next()
+                self.regroup(err)
+
     def regroup(self, err: Exception | None, in_flight=None) -> None:
         """Form the group of the membership's current generation and go on from the same step.
 

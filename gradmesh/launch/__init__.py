@@ -71,10 +71,11 @@ def _quiet_agent_warnings() -> None:
 
 
 def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restarts: int = 0,
-                inplace: float = 0.0) -> int:
+                inplace: float = 0.0, critical: frozenset[int] = frozenset()) -> int:
     """Run `target` (['-m', module, ...] or [script, ...]) on nproc local workers; exit code.
 
-    `inplace` > 0: in-place recovery's launcher, collectives waiting at most that many seconds."""
+    `inplace` > 0: in-place recovery's launcher, collectives waiting at most that many seconds;
+    `critical` ranks' loss restarts every rank (max_restarts times) instead of being replaced."""
     # torchrun's own default is one thread per worker; dividing the cores is faster when
     # fewer workers than cores run here. A user's OMP_NUM_THREADS wins.
     env.set_omp_threads(threads_per_worker(nproc))
@@ -84,6 +85,8 @@ def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restart
     if inplace:
         from gradmesh.launch.inplace import run_inplace
 
+        if critical:
+            return run_inplace(nproc, target, inplace, critical=critical, restarts=max_restarts)
         return run_inplace(nproc, target, collective_timeout=inplace, replacements=max_restarts)
     _quiet_agent_warnings()
     args = torchrun.parse_args(torchrun_args(launch, nproc, max_restarts) + target)

@@ -28,15 +28,18 @@ def _describe(identity: int, code: int) -> str:
 
 
 class _Launcher:
-    def __init__(self, nproc: int, target: list[str], collective_timeout: float, replacements: int):
+    def __init__(self, nproc: int, target: list[str], collective_timeout: float, replacements: int,
+                 critical: frozenset[int] = frozenset(), restart: int = 0):
         self.store = stores.loopback_store()
         self.members = list(range(nproc))
         publish_members(self.store, self.members)
-        self.target, self.replacements = target, replacements
+        self.target, self.replacements, self.critical = target, replacements, critical
+        self.fatal: str | None = None
+        """Why the survivors cannot go on (a critical rank or every non-critical one was lost)."""
         self.env = dict(env.environment(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
                         WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
                         TORCHELASTIC_USE_AGENT_STORE="True", GRADMESH_INPLACE="1",
-                        GRADMESH_COLLECTIVE_TIMEOUT=str(collective_timeout))
+                        TORCHELASTIC_RESTART_COUNT=str(restart), GRADMESH_COLLECTIVE_TIMEOUT=str(collective_timeout))
         self.workers: dict[int, subprocess.Popen] = {}
         self.local_rank: dict[int, int] = {}
         self.waiting: list[int] = []  # replacements started, not yet admitted
@@ -53,6 +56,9 @@ class _Launcher:
 
     def _lost(self, identity: int, code: int) -> set[int]:
         """Publish the survivors; start a replacement if any are left. The workers started."""
+        if self.critical and (identity in self.critical or set(self.members) - {identity} <= self.critical):
+            self.fatal = _describe(identity, code)
+            return set()
         if identity in self.waiting:
             self.waiting.remove(identity)
         if identity in self.members:
@@ -86,8 +92,10 @@ class _Launcher:
             time.sleep(0.02)
             if self.waiting:
                 self._admit_ready()
-            for identity in sorted(alive):
-                code = self.workers[identity].poll()
+            exited = {identity: self.workers[identity].poll() for identity in alive}
+            # The critical first: a server's death makes its workers fail too, and it is the cause.
+            for identity in sorted(alive, key=lambda i: (i not in self.critical, i)):
+                code = exited[identity]
                 if code is None:
                     continue
                 alive.discard(identity)
@@ -97,6 +105,9 @@ class _Launcher:
                         self.members.remove(identity)  # left at the end of the run, not lost
                     continue
                 alive |= self._lost(identity, code)
+                if self.fatal:
+                    self.stop(signal.SIGKILL)  # nothing of theirs is needed: the restart resumes a checkpoint
+                    return 1
         if self.finished == 0:
             print("gradmesh: every worker failed; their tracebacks, if they left any, are above", file=sys.stderr)
             return 1
@@ -117,12 +128,27 @@ class _Launcher:
         return len(running)
 
 
-def run_inplace(nproc: int, target: list[str], collective_timeout: float, replacements: int = 0) -> int:
-    """Run `target` on nproc local workers; a failed worker is dropped (and replaced), not fatal."""
-    launcher = _Launcher(nproc, target, collective_timeout, replacements)
+def run_inplace(nproc: int, target: list[str], collective_timeout: float, replacements: int = 0,
+                critical: frozenset[int] = frozenset(), restarts: int = 0) -> int:
+    """Run `target` on nproc local workers; a failed worker is dropped (and replaced), not fatal.
+
+    The loss of a `critical` rank (or of every other one) stops every worker and starts them
+    all again, resuming the last checkpoint, up to `restarts` times."""
+    restart = 0
     with lifeline.stop_on_signals():
         try:
-            return launcher.run()
+            while True:
+                launcher = _Launcher(nproc, target, collective_timeout, replacements, critical, restart)
+                code = launcher.run()
+                if launcher.fatal is None:
+                    return code
+                if restart == restarts:
+                    print(f"gradmesh: {launcher.fatal}; the others cannot go on without it and no restart is left "
+                          f"(--max-restarts {restarts})", file=sys.stderr, flush=True)
+                    return 1
+                restart += 1
+                print(f"gradmesh: {launcher.fatal}; the others cannot go on without it: every rank restarts from "
+                      f"the last checkpoint (restart {restart} of {restarts})", file=sys.stderr, flush=True)
         except lifeline.Stopped as stop:
             lifeline.ignore_stop_signals()  # a second Ctrl-C must not abandon the workers half-stopped
             stopped = launcher.stop(stop.signum)

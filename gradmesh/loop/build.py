@@ -81,6 +81,6 @@ def services(trainer, faults: FaultConfig) -> Services:
 
 def probe(mon: Monitor, found: Services) -> StepProbe:
     beat = found.watchdog.beat if found.watchdog else StepProbe().beat
-    return StepProbe(mon.clock or NullClock(), beat, found.faults.slow_down, found.faults.straggle)
+    return StepProbe(mon.clock or NullClock(), beat, found.faults.slow_down, found.faults.straggle, found.faults.reached)
 
 

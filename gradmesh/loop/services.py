@@ -89,8 +89,13 @@ class FaultInjection(Service):
         self.slept = self.own_time = 0.0
 
     def before_step(self, step: int) -> None:
-        self.injector.before_step(step)
+        # An engine whose ranks do not step together draws a segment's batches before working on
+        # them: its kills and hangs fire when work on the step starts (`reached`).
+        self.injector.before_step(step, explicit=self.ctx.engine.lockstep)
         self.slept = 0.0
+
+    def reached(self, step: int) -> None:
+        self.injector.reached(step)
 
     def slow_down(self) -> None:
         """In the forward phase: an injected straggler shows as slow compute."""

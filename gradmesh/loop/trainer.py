@@ -65,7 +65,8 @@ class Trainer:
         self.monitor, self.counter = build.monitor(session, monitor, self.run_dir, self.plan)
         optimizer_class, kwargs = optimizer or optimizer_spec(self.train)
         reducer = build_reducer(self.counter, self.monitor.clock, session.membership)
-        job = Job(loss_fn, dataset, self.train, optimizer_class, kwargs, criterion, reducer, self.counter, ps or PSConfig())
+        job = Job(loss_fn, dataset, self.train, optimizer_class, kwargs, criterion, reducer, self.counter, ps or PSConfig(),
+                  session.membership)
         self.engine = build_engine(self.topo, self.plan, model, job)
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
         self.ctx = RunContext(self.topo, self.engine, self.run_dir, session.identity, quiet)
@@ -120,7 +121,7 @@ class Trainer:
                 for service in self.services.all:
                     service.before_step(number)
                 batches.append(self.sampler.next_global())
-            for outcome, elapsed in self.engine.run_segment(batches, self.probe):
+            for outcome, elapsed in self.stepper.run_segment(batches, self.probe):
                 for service in self.services.all:
                     service.after_step(outcome, elapsed)
             step = end

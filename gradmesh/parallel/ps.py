@@ -136,11 +136,16 @@ def check_ps(cfg, mesh: dict[str, int], meta_model) -> None:
     if cfg.train.global_batch_size % (workers * accum):
         raise UsageError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by workers x "
                          f"grad_accum = {workers} x {accum}; use a multiple of {workers * accum}")
-    if cfg.fault.recovery == "inplace":
-        raise UsageError("--recovery inplace does not support --strategy ps yet; use --recovery restart")
     if cfg.fault.step_timeout:
         raise UsageError("--step-timeout does not support --strategy ps yet (its ranks do not step together); leave it out")
     layout_of(meta_model(), servers)
+
+
+def server_ranks(cfg, world: int) -> list[int]:
+    """The servers: under in-place recovery a dead worker's shares go to the others, but a dead
+    server's shard is gone, so its loss restarts every rank from the last checkpoint."""
+    roles = Roles(world, cfg.ps.servers)
+    return [roles.server_rank(s) for s in range(cfg.ps.servers)]
 
 
 def apply_ps(model: nn.Module, topology, options) -> nn.Module:

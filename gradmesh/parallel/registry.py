@@ -84,6 +84,9 @@ class Strategy:
     """Every rank does the same work per step, so a slow one is a straggler."""
     inplace_recovery: bool = False
     """A lost rank holds nothing the others lack: survivors can go on in place."""
+    critical: str | None = None
+    """(cfg, world) -> ranks whose loss the survivors cannot absorb in place (a parameter
+    server's shard): under in-place recovery every rank then restarts from the last checkpoint."""
     step_breakdown: bool = True
     """The monitor's per-phase step breakdown applies (its ranks step together)."""
 
@@ -159,9 +162,16 @@ ROWS = (
              state_bytes=lambda size, n: FP32 * size.params * 2,
              wire_bytes=lambda size, n: 2 * FP32 * size.params,
              roles=("worker", "server"), sync="gradmesh.parallel.data:no_sync", checks=(_check_ps,),
-             same_work=False, step_breakdown=False),
+             same_work=False, step_breakdown=False, inplace_recovery=True,
+             critical="gradmesh.parallel.ps:server_ranks"),
 )
 STRATEGIES = {row.name: row for row in ROWS}
+
+
+def critical_ranks(cfg, world: int) -> frozenset[int]:
+    """Ranks of `cfg`'s strategy that in-place recovery cannot do without (`Strategy.critical`)."""
+    row = STRATEGIES.get(cfg.train.strategy)
+    return frozenset(load(row.critical)(cfg, world)) if row and row.critical else frozenset()
 AXIS_STRATEGY = {"dp": "ddp", "fsdp": "fsdp", "tp": "tp", "pp": "pipeline", "ps": "ps"}
 """The strategy each mesh axis stands for when several axes compose."""
 COMPOSITION_ORDER = ("tp", "pp", "fsdp", "dp")

@@ -9,6 +9,8 @@ model and optimizer state under parameter names, as data parallelism writes them
 reshard to another number of servers or to any other strategy.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -21,10 +23,43 @@ from gradmesh.engine.ps.segment import Dispatcher, Segment
 from gradmesh.engine.ps.server import Server
 from gradmesh.engine.ps.slots import OptimizerSlots
 from gradmesh.engine.ps.timing import roles_row
-from gradmesh.engine.ps.worker import Share, Worker, flat_views
+from gradmesh.engine.ps.worker import Worker, flat_views
 from gradmesh.parallel.ps import Roles, layout_of
 from gradmesh.parallel.registry import Plan
 from gradmesh.topology import Topology
+
+
+@dataclass
+class Done:
+    """What a rank did in a segment's point-to-point part, kept for its report (which a regroup
+    may repeat: a role clock and a byte counter are taken once)."""
+
+    segment: Segment
+    log: torch.Tensor | None
+    """The dispatcher's log (`ParameterServerEngine._log_rows`); None elsewhere."""
+    stats: dict | None
+    """A server's staleness figures per step (`Server.stats`)."""
+    clock: torch.Tensor
+    sent: int
+
+
+class Lookout:
+    """A server's view of workers dying under in-place recovery: `lookout()` is true while a
+    death is unseen, `take()` gives the ranks (in the segment's group) of those newly seen."""
+
+    def __init__(self, membership, identities: list[int]):
+        self.membership, self.identities, self.seen = membership, identities, set()
+
+    def _new(self) -> set[int]:
+        return (self.membership.departed & set(self.identities)) - self.seen
+
+    def __call__(self) -> bool:
+        return bool(self._new())
+
+    def take(self) -> list[int]:
+        new = self._new()
+        self.seen |= new
+        return sorted(self.identities.index(identity) for identity in new)
 
 
 class ParameterServerEngine:
@@ -32,18 +67,17 @@ class ParameterServerEngine:
 
     def __init__(self, topology: Topology, plan: Plan, model: nn.Module, job: Job):
         self.topology, self.plan, self.job = topology, plan, job
-        self.roles = Roles(topology.world_size, job.ps.servers)
-        self.bound = job.ps.bound
+        self.membership = job.membership
         self.model = self.plain = model.to(topology.device)
-        self.layout = layout_of(model, self.roles.servers)
-        server_ranks = [self.roles.server_rank(s) for s in range(self.roles.servers)]
-        servers_group = dist.new_group(server_ranks, backend="gloo")  # every rank takes part in making it
-        self.wire = Wire(topology.side_group("ps"), topology.group("world"), job.counter)
         self.slots = OptimizerSlots(job.optimizer_class, job.optimizer_kwargs)
+        self.bound = job.ps.bound
+        self.roles = Roles(topology.world_size, job.ps.servers)
+        self.layout = layout_of(model, self.roles.servers)
         is_server = self.roles.is_server(topology.rank)
         topology.role = "server" if is_server else "worker"
         self.flat, grads = flat_views(model, topology.device, gradients=not is_server)
         bucket = max(1, int(job.train.bucket_mb * 2**20) // self.flat.element_size())
+        servers_group = self._connect(topology)
         self.server = self.worker = self.optimizer = None
         if is_server:
             index = topology.rank - self.roles.workers
@@ -55,62 +89,134 @@ class ParameterServerEngine:
                                  self.bound, bucket, topology.device)
         self.positioned = False
 
+    def _connect(self, topology: Topology):
+        """The wire and the identities of the group's ranks; the servers' own group."""
+        self.topology, self.roles = topology, Roles(topology.world_size, self.roles.servers)
+        self.identities = list(self.membership.members) if self.membership else list(range(topology.world_size))
+        server_ranks = [self.roles.server_rank(s) for s in range(self.roles.servers)]
+        servers_group = dist.new_group(server_ranks, backend="gloo")  # every rank takes part in making it
+        self.wire = Wire(topology.side_group("ps"), topology.group("world"), self.job.counter)
+        return servers_group
+
+    def rebuild(self, topology: Topology) -> None:
+        """In-place recovery after a worker died: the same roles over the survivors' new group
+        (the servers are the last ranks still; a server's loss restarts the job instead)."""
+        servers_group = self._connect(topology)
+        if self.server:
+            self.server.wire, self.server.servers_group = self.wire, servers_group
+        else:
+            self.worker.wire, self.worker.roles = self.wire, self.roles
+
+    def _lookout(self):
+        """A server's view of workers dying (in-place recovery): the ranks of those not yet seen."""
+        if self.membership is None:
+            return None
+        return Lookout(self.membership, self.identities)
+
     # -- segments --------------------------------------------------------------------------------
 
     def run_segment(self, batches: list[GlobalBatch], probe) -> list[tuple[StepOutcome, float]]:
         """Every step of `batches`, as this rank saw it: (outcome, seconds the step took)."""
+        return self.report_segment(self.work_segment(batches, probe))
+
+    def work_segment(self, batches: list[GlobalBatch], probe) -> "Done":
+        """Point to point until every share of the segment is applied; workers that die meanwhile
+        leave their shares to the others. What it did, for `report_segment`."""
         segment = Segment(batches, self.roles.workers)
-        shares: dict[int, Share] = {}
+        log = None
         if self.server:
             if not self.positioned:  # versions count from the step the run starts at (0, or a checkpoint's)
                 self.server.version = segment.first
             is_dispatcher = self.topology.rank == self.roles.dispatcher
-            self.server.serve(segment, Dispatcher(segment, static=self.job.ps.mode == "sync") if is_dispatcher else None)
+            dispatcher = Dispatcher(segment, static=self.job.ps.mode == "sync") if is_dispatcher else None
+            self.server.serve(segment, dispatcher, self.roles.workers, probe, self._lookout())
+            if dispatcher:
+                log = self._log_rows(segment)
         else:
-            shares = self.worker.run(segment, probe)
+            self.worker.run(segment, probe)
         self.positioned = True
-        roles = self._gather_roles(len(segment.clocks))
-        return self._outcomes(segment, shares, self._gather_stats(segment), roles)
-
-    def _gather_roles(self, steps: int) -> dict:
-        """Every rank's role breakdown of the segment (`gradmesh.engine.ps.timing`), per step."""
         clock = (self.server or self.worker).clock
-        mine = torch.tensor(clock.take(), dtype=torch.float64)
-        gathered = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
-        dist.all_gather(gathered, mine, group=self.wire.header_group)
-        return roles_row([g.tolist() for g in gathered], steps)
+        sent = self.job.counter.take()[0] if self.job.counter is not None else 0
+        stats = self.server.stats if self.server else None
+        return Done(segment, log, stats, torch.tensor(clock.take(), dtype=torch.float64), sent)
 
-    def _gather_stats(self, segment: Segment) -> torch.Tensor:
+    def _log_rows(self, segment: Segment) -> torch.Tensor:
+        """The dispatcher's log as rows (clock, chunk, worker identity, version, samples, loss), in
+        global order: one per share, from the commit that counted."""
+        rows = []
+        for clock, chunk in segment.order():
+            worker, oldest, samples, loss = self.server.log[(clock, chunk)]
+            rows.append([clock, chunk, self.identities[worker], oldest, samples, loss])
+        return torch.tensor(rows, dtype=torch.float64).reshape(-1, 6)
+
+    def report_segment(self, done: "Done") -> list[tuple[StepOutcome, float]]:
+        """Collective over every rank (after a regroup, the survivors): the segment's figures."""
+        roles = self._gather_roles(done)
+        log = self._gather_log(done)
+        return self._outcomes(done.segment, log, self._gather_stats(done), roles)
+
+    def _wait(self, work) -> None:
+        """A collective's wait; under in-place recovery it fails at once when a member is lost."""
+        if self.membership:
+            self.membership.wait(work)
+        else:
+            work.wait()
+
+    def _gather_roles(self, done: "Done") -> dict:
+        """Every rank's role breakdown of the segment (`gradmesh.engine.ps.timing`), per step."""
+        gathered = [torch.zeros_like(done.clock) for _ in range(self.topology.world_size)]
+        self._wait(dist.all_gather(gathered, done.clock, group=self.wire.header_group, async_op=True))
+        return roles_row([g.tolist() for g in gathered], len(done.segment.clocks))
+
+    def _gather_log(self, done: "Done") -> torch.Tensor:
+        log = done.log if done.log is not None else torch.zeros(done.segment.total_chunks, 6, dtype=torch.float64)
+        self._wait(dist.broadcast(log, src=self.roles.dispatcher, group=self.wire.header_group, async_op=True))
+        return log
+
+    def _gather_stats(self, done: "Done") -> torch.Tensor:
         """Per step, over every server: staleness sum, count, max, when the step was applied, and
         the bytes every rank sent in the segment (spread evenly over its steps)."""
-        stats = torch.zeros(len(segment.clocks), 5, dtype=torch.float64)
-        if self.server:
-            stats[:, :4] = torch.tensor([self.server.stats[clock] for clock in segment.clocks], dtype=torch.float64)
-        sent = self.job.counter.take()[0] if self.job.counter is not None else 0
+        clocks = done.segment.clocks
+        stats = torch.zeros(len(clocks), 5, dtype=torch.float64)
+        if done.stats is not None:
+            stats[:, :4] = torch.tensor([done.stats[clock] for clock in clocks], dtype=torch.float64)
         group = self.wire.header_group
-        sums = torch.cat([stats[:, :2].reshape(-1), torch.tensor([float(sent)], dtype=torch.float64)])
+        sums = torch.cat([stats[:, :2].reshape(-1), torch.tensor([float(done.sent)], dtype=torch.float64)])
         highs = stats[:, 2:4].contiguous()
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=group)
+        self._wait(dist.all_reduce(sums, group=group, async_op=True))
+        self._wait(dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=group, async_op=True))
         stats[:, :2], stats[:, 2:4] = sums[:-1].view(-1, 2), highs
-        stats[:, 4] = sums[-1] / len(segment.clocks)
+        stats[:, 4] = sums[-1] / len(clocks)
         return stats
 
-    def _outcomes(self, segment: Segment, shares: dict[int, Share], stats: torch.Tensor, roles: dict):
+    def _outcomes(self, segment: Segment, log: torch.Tensor, stats: torch.Tensor, roles: dict):
+        """Each step as this rank reports it: the shares its worker computed (from the
+        dispatcher's log); the dispatcher also reports those of workers that died."""
         held = self.state_bytes()
         peak = peak_memory_bytes(self.topology.device)
-        before, found = segment.started, []
+        me = self.identities[self.topology.rank]
+        reports_lost = self.topology.rank == self.roles.dispatcher
+        mine: dict[int, list] = {clock: [] for clock in segment.clocks}
+        for clock, chunk, worker, version, samples, loss in log.tolist():
+            if worker == me or (reports_lost and worker not in self.identities):
+                mine[int(clock)].append((int(chunk), int(worker), int(version), int(samples), loss))
+        found, seconds = [], _step_seconds(segment.started, stats[:, 3].tolist())
         for i, batch in enumerate(segment.batches):
-            share = shares.get(batch.step, Share())
-            stale_sum, count, stale_max, applied, wire = stats[i].tolist()
-            figures = torch.tensor([share.loss, share.samples, held, peak], dtype=torch.float64)
+            shares = mine[batch.step]
+            own = [s for s in shares if s[1] == me]
+            lost = [{"worker": w, "indices": segment.indices(batch.step, c), "version": v} for c, w, v, _, _ in shares
+                    if w != me]
+            stale_sum, count, stale_max, _, wire = stats[i].tolist()
+            figures = torch.tensor([sum(s[4] for s in shares), sum(s[3] for s in shares), held, peak], dtype=torch.float64)
             lr = self.job.optimizer_kwargs["lr"] * lr_factor(batch.step, self.job.train)
-            outcome = StepOutcome(batch, lr, share.indices, figures,
+            detail = {"versions": [v for _, _, v, _, _ in own]} if self.worker else {}
+            if lost:
+                detail["lost_workers"] = lost
+            indices = [i for c, _, _, _, _ in own for i in segment.indices(batch.step, c)]
+            outcome = StepOutcome(batch, lr, indices, figures,
                                   row={"staleness_max": int(stale_max), "staleness_mean": stale_sum / max(count, 1),
-                                       "wire_bytes": int(wire), "roles": roles},
-                                  detail={"versions": share.versions} if self.worker else {})
-            found.append((outcome, max(applied - before, 1e-9)))
-            before = max(before, applied)
+                                       "wire_bytes": int(wire), "roles": roles}, detail=detail)
+            found.append((outcome, seconds[i]))
         return found
 
     def state_bytes(self) -> int:
@@ -157,3 +263,24 @@ class ParameterServerEngine:
             state = self.slots.shard_of(payload["optim"]["state"], names, (self.server.low, self.server.high))
             if state:
                 self.server.optimizer.state[self.server.param] = state
+
+
+def _step_seconds(started: float, applied: list[float]) -> list[float]:
+    """Each step's share of the segment's time, from when each was applied (in order of steps).
+
+    A step applied before an earlier one (async and ssp let later steps finish first) took no
+    time of its own: it shares the time of the step that finished last before it (or, at the
+    start, the next one's), so no step reports zero seconds and the sum is the segment's time."""
+    groups: list[list] = []  # [seconds, steps]
+    latest = started
+    for moment in applied:
+        gained = moment - latest
+        if gained > 0 or not groups:
+            groups.append([max(gained, 0.0), 1])
+        else:
+            groups[-1][1] += 1
+        latest = max(latest, moment)
+    if len(groups) > 1 and groups[0][0] == 0:  # steps done at the very start share the next one's time
+        seconds, steps = groups.pop(0)
+        groups[0][1] += steps
+    return [max(seconds / steps, 1e-9) for seconds, steps in groups for _ in range(steps)]

@@ -7,6 +7,7 @@ step `batch.step`; a server's version counts the updates it applied since step 0
 ssp: clocks; async: shares).
 """
 
+import bisect
 import time
 from dataclasses import dataclass, field
 
@@ -50,18 +51,59 @@ class Segment:
 
 
 class Dispatcher:
-    """Hands out the segment's shares. Static (sync): worker w always computes share w, as data
-    parallelism would. Dynamic (async, ssp): whoever is free takes the next share in global
-    order, so a fast worker takes more of them; every share is handed out exactly once."""
+    """Hands out the segment's shares, each to one worker at a time, until each is committed.
+
+    Static (sync): worker w computes share w, as data parallelism would. Dynamic (async, ssp):
+    whoever is free takes the earliest share left in global order, so a fast worker takes more.
+    A worker that dies leaves its uncommitted shares to the others (static: its later shares
+    too), first in line; a worker that could not start a share gives it back.
+    """
 
     def __init__(self, segment: Segment, static: bool):
-        order = segment.order()
-        if static:
-            self.queues = {w: [task for task in order if task[1] == w] for w in range(segment.workers)}
-        else:
-            self.shared = order
+        self.queue = segment.order()  # kept in global order
         self.static = static
+        self.orphaned: set[int] = set()
+        """Static: workers whose shares anyone may take (they died)."""
+        self.held: dict[int, set[tuple[int, int]]] = {w: set() for w in range(segment.workers)}
+        self.committed: set[tuple[int, int]] = set()
+
+    def _mine(self, worker: int, task: tuple[int, int]) -> bool:
+        return not self.static or task[1] == worker or task[1] in self.orphaned
 
     def next(self, worker: int) -> tuple[int, int] | None:
-        queue = self.queues[worker] if self.static else self.shared
-        return queue.pop(0) if queue else None
+        """The earliest share this worker may take, now held by it; None: none now (see `finished`)."""
+        for i, task in enumerate(self.queue):
+            if self._mine(worker, task):
+                self.held[worker].add(task)
+                return self.queue.pop(i)
+        return None
+
+    @property
+    def finished(self) -> bool:
+        """Every share committed: nothing is queued and nobody holds one."""
+        return not self.queue and not any(self.held.values())
+
+    def commit(self, worker: int, task: tuple[int, int]) -> bool:
+        """A worker committed a share; False when it already was (a redone share: drop it)."""
+        self.held.get(worker, set()).discard(task)
+        if task in self.committed:
+            return False
+        self.committed.add(task)
+        if task in self.queue:  # handed out again after its worker died, yet its commit arrived
+            self.queue.remove(task)
+        return True
+
+    def give_back(self, worker: int, task: tuple[int, int]) -> None:
+        self.held[worker].discard(task)
+        bisect.insort(self.queue, task)
+
+    def lose(self, worker: int) -> None:
+        """The worker died: what it held goes back in line; static, its shares are anyone's."""
+        for task in self.held.pop(worker, set()):
+            if task not in self.committed:
+                bisect.insort(self.queue, task)
+        self.orphaned.add(worker)
+
+    def earlier_than(self, worker: int, clock: int) -> bool:
+        """A share of an earlier step is waiting that this worker may take."""
+        return any(task[0] < clock and self._mine(worker, task) for task in self.queue)

@@ -38,6 +38,8 @@ class Server:
         self.spare: list[torch.Tensor] = []
         self.receiving: dict[int, torch.Tensor] = {}
         self.stats: dict[int, list[float]] = {}
+        self.failed: set[int] = set()
+        """Workers a send or receive failed with (they died), handled between messages."""
         self.clock = RoleClock("server")
 
     def state_bytes(self) -> int:
@@ -47,59 +49,131 @@ class Server:
 
     # -- a segment -------------------------------------------------------------------------------
 
-    def serve(self, segment: Segment, dispatcher: Dispatcher | None) -> None:
+    def serve(self, segment: Segment, dispatcher: Dispatcher | None, workers: int, probe, lookout=None) -> None:
         """Answer workers until every share of the segment is applied here (and, on the
-        dispatcher, every worker has been told the segment is done)."""
-        self.segment, self.dispatcher = segment, dispatcher
+        dispatcher, every live worker has been told the segment is done).
+
+        `lookout` (in-place recovery): sees workers die; their shares go to the others."""
+        self.segment, self.dispatcher, self.workers, self.probe = segment, dispatcher, workers, probe
         self.done: dict[int, dict[int, torch.Tensor]] = {}
         self.pulled: dict[int, list[int]] = {}
-        self.waiting: list[tuple[int, int]] = []
-        self.applied = self.told_done = 0
+        self.waiting: list[tuple[int, int, int]] = []  # (worker, clock, least version)
+        self.accepted: set[tuple[int, int]] = set()
+        self.log: dict[tuple[int, int], tuple[int, int, int, float]] = {}
+        """Dispatcher: (clock, chunk) -> (worker, oldest version, samples, loss) of the commit that counted."""
+        self.parked: list[int] = []
+        self.told_done: set[int] = set()
+        self.lost: set[int] = set()
+        self.broken: set[int] = set()
+        self.applied = 0
         self.stats = {clock: [0.0, 0.0, 0.0, segment.started] for clock in segment.clocks}
-        while self.applied < segment.total_chunks or (dispatcher and self.told_done < segment.workers):
+        while not self._served():
             with self.clock.phase("idle"):
-                source, message = self.wire.receive_any()
-            self.handle(source, message)
+                got = self.wire.receive_any(lookout)
+            if got is not None:
+                self.handle(*got)
+            for worker in (lookout.take() if lookout else []) + sorted(self.failed):
+                self.lose(worker)
+            self.failed = set()
         with self.clock.phase("send"):
-            self.wire.settle()
+            self.wire.settle(tolerant=True)
+        for worker in self.lost | self.broken:
+            if worker in self.receiving:
+                self.spare.append(self.receiving.pop(worker))
+
+    def _served(self) -> bool:
+        if self.applied < self.segment.total_chunks:
+            return False
+        return self.dispatcher is None or set(range(self.workers)) - self.lost <= self.told_done
 
     def handle(self, source: int, message: Message) -> None:
-        if message.kind == Kind.PUSH:
+        kind = message.kind
+        if source in self.broken:
+            return  # what a dead worker sent after a payload it never finished: incomplete
+        if kind == Kind.PUSH:
             low, high = self.buckets[message.bucket]
             buffer = self.receiving.setdefault(source, self._buffer())
             with self.clock.phase("receive"):
-                self.wire.payload_from(source, buffer[low - self.low:high - self.low]).wait()
-        elif message.kind == Kind.COMMIT:
+                try:
+                    self.wire.payload_from(source, buffer[low - self.low:high - self.low]).wait()
+                except RuntimeError:  # its worker died before sending it
+                    self.broken.add(source)
+                    self.failed.add(source)
+        elif kind == Kind.COMMIT:
             self.commit(source, message)
-        elif message.kind == Kind.PULL:
-            self.waiting.append((source, message.version))
+        elif kind == Kind.PULL:
+            self.waiting.append((source, message.clock, message.version))
             self.answer_pulls()
-        elif message.kind == Kind.TAKE:
-            task = self.dispatcher.next(source)
-            if task is None:
-                self.told_done += 1
-            reply = Message(Kind.DONE) if task is None else Message(Kind.TASK, clock=task[0], chunk=task[1])
-            self.wire.send(source, reply)
+        elif kind == Kind.CANCEL:
+            if any(w == source for w, _, _ in self.waiting):
+                self.waiting = [entry for entry in self.waiting if entry[0] != source]
+                self.wire.send(source, Message(Kind.RETRY))
+        elif kind == Kind.TAKE and self.dispatcher:
+            self.parked.append(source)
+            self.serve_parked()
+        elif kind == Kind.RETURN and self.dispatcher:
+            self.dispatcher.give_back(source, (message.clock, message.chunk))
+            self.serve_parked()
         else:
-            raise RuntimeError(f"parameter server {self.index}: unexpected {message.kind.name} from rank {source}")
+            raise RuntimeError(f"parameter server {self.index}: unexpected {kind.name} from rank {source}")
+
+    def serve_parked(self) -> None:
+        """Dispatcher: hand each waiting worker a share; once all are committed, tell it so."""
+        still = []
+        for worker in self.parked:
+            task = self.dispatcher.next(worker)
+            if task is not None:
+                self.wire.send(worker, Message(Kind.TASK, clock=task[0], chunk=task[1]))
+            elif self.dispatcher.finished:
+                self.wire.send(worker, Message(Kind.DONE))
+                self.told_done.add(worker)
+            else:  # the others still hold the last shares: one may die and leave its share to this one
+                still.append(worker)
+        self.parked = still
+
+    def lose(self, worker: int) -> None:
+        """A worker died: what it pushed is dropped; the dispatcher hands its shares out again."""
+        if worker in self.lost:
+            return
+        self.lost.add(worker)  # its pushes are kept: a commit it sent before it died may still be on the way
+        self.waiting = [entry for entry in self.waiting if entry[0] != worker]
+        if self.dispatcher:
+            self.dispatcher.lose(worker)
+            self.parked = [w for w in self.parked if w != worker]
+            self.serve_parked()
+            self.answer_pulls()
 
     def _buffer(self) -> torch.Tensor:
         return self.spare.pop() if self.spare else torch.empty_like(self.param.detach())
 
     def answer_pulls(self) -> None:
         still = []
-        for worker, least in self.waiting:
+        for worker, clock, least in self.waiting:
             if self.bound is None or self.version >= least:
                 self.wire.send(worker, Message(Kind.PARAMS, version=self.version), self.param.detach())
+            elif self.dispatcher and self.dispatcher.earlier_than(worker, clock):
+                # a dead worker's share of an earlier step is back in line: this worker must do it
+                # (waiting for it would wait forever), so it gives its own share back
+                self.wire.send(worker, Message(Kind.RETRY))
             else:
-                still.append((worker, least))
+                still.append((worker, clock, least))
         self.waiting = still
 
     # -- applying --------------------------------------------------------------------------------
 
     def commit(self, worker: int, message: Message) -> None:
         gradient = self.receiving.pop(worker)
-        clock = message.clock
+        clock, task = message.clock, (message.clock, message.chunk)
+        counted = task not in self.accepted  # a share redone after its worker died counts once
+        if self.dispatcher:
+            self.dispatcher.commit(worker, task)
+            self.serve_parked()
+        if not counted:
+            self.spare.append(gradient)
+            return
+        self.accepted.add(task)
+        if self.dispatcher:
+            self.log[task] = (worker, message.oldest, message.samples, message.loss)
         if self.bound is None:
             self.apply_share(gradient, message)
             self.spare.append(gradient)
@@ -141,11 +215,12 @@ class Server:
         return math.sqrt(squares.item())
 
     def step(self, gradient: torch.Tensor, clock: int, norm: float, lr_share: float) -> None:
+        self.probe.reached(clock)
         max_norm = self.job.train.grad_clip
         if max_norm:
             gradient.mul_(min(1.0, max_norm / (norm + 1e-6)))
-        with self.clock.phase("send"):
-            self.wire.settle()  # parameters being sent are not changed under the send
+        with self.clock.phase("send"):  # parameters being sent are not changed under the send
+            self.failed |= self.wire.settle(tolerant=True)  # a send to a worker that died fails
         with self.clock.phase("apply"):
             self.optimizer.param_groups[0]["lr"] = self.base_lr * lr_factor(clock, self.job.train) * lr_share
             self.param.grad = gradient

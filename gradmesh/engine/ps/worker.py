@@ -8,7 +8,6 @@ all of it, so pushing overlaps the rest of backward.
 """
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -20,17 +19,6 @@ from gradmesh.engine.base import to_device
 from gradmesh.engine.ps.segment import Segment
 from gradmesh.engine.ps.timing import RoleClock
 from gradmesh.parallel.ps import Layout, Roles
-
-
-@dataclass
-class Share:
-    """What one worker did for one step (it may have computed several shares of it, or none)."""
-
-    loss: float = 0.0
-    samples: int = 0
-    indices: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    """The parameter version each share was computed from (the lowest over servers)."""
 
 
 def flat_views(model: nn.Module, device: torch.device, gradients: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -69,54 +57,63 @@ class Worker:
         for index, p in enumerate(model.parameters()):
             p.register_post_accumulate_grad_hook(lambda p, index=index: self._produced(index))
 
-    def run(self, segment: Segment, probe) -> dict[int, Share]:
-        """Take shares until the dispatcher has none left; what was done, per step."""
-        done = {clock: Share() for clock in segment.clocks}
+    def run(self, segment: Segment, probe) -> None:
+        """Take shares until the dispatcher says every share of the segment is committed."""
+        dispatcher = self.roles.dispatcher
         while True:
             with self.clock.phase("wait"):
-                self.wire.send(self.roles.dispatcher, Message(Kind.TAKE))
-                reply = self.wire.receive_from(self.roles.dispatcher)
+                self.wire.send(dispatcher, Message(Kind.TAKE))
+                reply = self.wire.receive_from(dispatcher)
             if reply.kind == Kind.DONE:
                 break
             least = reply.clock - self.bound if self.bound is not None else 0
-            versions = self.pull(least)
+            versions = self.pull(reply.clock, least)
+            if versions is None:  # an earlier share, lost with a dead worker, comes first
+                self.wire.send(dispatcher, Message(Kind.RETURN, clock=reply.clock, chunk=reply.chunk))
+                continue
             indices = segment.indices(reply.clock, reply.chunk)
-            loss = self.compute(indices, segment.batch(reply.clock).size, (reply.clock, reply.chunk, versions), probe)
-            share = done[reply.clock]
-            share.loss, share.samples = share.loss + loss, share.samples + len(indices)
-            share.indices += indices
-            share.versions.append(min(versions))
+            self.compute(indices, segment.batch(reply.clock).size, (reply.clock, reply.chunk, versions), probe)
             self.clock.samples += len(indices)
         with self.clock.phase("push"):
             self.wire.settle()
-        return done
 
-    def pull(self, least: int) -> list[int]:
-        """Every server's shard, once its version is at least `least`; each server's version."""
+    def pull(self, clock: int, least: int) -> list[int] | None:
+        """Every server's shard, once its version is at least `least`: each server's version;
+        None when the dispatcher says to give the share of step `clock` back instead."""
         with self.clock.phase("push"):
             self.wire.settle()
         with self.clock.phase("pull"):
-            return self._pull(least)
+            return self._pull(clock, least)
 
-    def _pull(self, least: int) -> list[int]:
-        posted = []
-        for s in range(self.roles.servers):
-            server = self.roles.server_rank(s)
-            self.wire.send(server, Message(Kind.PULL, version=least))
+    def _pull(self, clock: int, least: int) -> list[int] | None:
+        servers = [self.roles.server_rank(s) for s in range(self.roles.servers)]
+        heads = []
+        for server in servers:
+            self.wire.send(server, Message(Kind.PULL, clock=clock, version=least))
+            heads.append(self.wire.expect(server))
+        versions, payloads, retry = [], [], False
+        for s, (head, work) in enumerate(heads):  # the dispatcher (server 0) first: only it says RETRY
+            work.wait()
+            reply = Message.decode(head)
+            if reply.kind == Kind.RETRY:
+                if not retry:  # every other server answers once more: PARAMS if it already had, else RETRY
+                    for later in servers[s + 1:]:
+                        self.wire.send(later, Message(Kind.CANCEL))
+                retry = True
+                continue
             low, high = self.layout.shard(s)
-            posted.append((self.wire.expect(server), self.wire.payload_from(server, self.flat[low:high])))
-        versions = []
-        for (head, head_work), payload_work in posted:
-            head_work.wait()
-            payload_work.wait()
-            versions.append(Message.decode(head).version)
-        return versions
+            payloads.append(self.wire.payload_from(servers[s], self.flat[low:high]))
+            versions.append(reply.version)
+        for work in payloads:
+            work.wait()
+        return None if retry else versions
 
     def compute(self, indices: list[int], batch_size: int, task: tuple[int, int, list[int]], probe) -> float:
         """Forward and backward of one share (weighted 1 / global batch, as data parallelism
         weights it); its buckets go out as backward produces them, then a commit to every server."""
         self.grads.zero_()
         self.task, self.missing = task, list(self.needed)
+        probe.reached(task[0])
         micro = [m for m in split_evenly(indices, self.job.train.grad_accum) if m]
         with self.clock.phase("compute"):  # an injected straggler shows as slow compute...
             probe.straggle(self.compute_s)
@@ -137,9 +134,16 @@ class Worker:
                 self._push(b)
         norm_sq = self.grads.double().pow(2).sum().item()
         clock, chunk, versions = task
-        for s in range(self.roles.servers):
-            self.wire.send(self.roles.server_rank(s), Message(Kind.COMMIT, clock=clock, chunk=chunk, version=versions[s],
-                                                              samples=len(indices), loss=loss_sum, norm_sq=norm_sq))
+        commits = [Message(Kind.COMMIT, clock=clock, chunk=chunk, version=version, samples=len(indices),
+                           oldest=min(versions), loss=loss_sum, norm_sq=norm_sq) for version in versions]
+        for s in range(1, self.roles.servers):
+            self.wire.send(self.roles.server_rank(s), commits[s])
+        if self.roles.servers > 1:
+            # The dispatcher hears of a commit only once every other server has it: a share the
+            # dispatcher counts as done is never handed out again, so no server may lack it.
+            with self.clock.phase("push"):
+                self.wire.settle()
+        self.wire.send(self.roles.dispatcher, commits[0])
         return loss_sum
 
     def _produced(self, index: int) -> None:
