@@ -8,7 +8,7 @@
     ddp's ring all-reduce sends 2(n-1)/n x 4P per rank; a ps worker pushes 4P and pulls 4P.
 (b) sync, async and ssp:2 on gpt-char with worker 1 slowed 2x (`--inject slow:rank=1,factor=2`):
     the training time each needs to reach the loss sync reaches at its step N (losses smoothed
-    over 5 steps; async and ssp run 1.5 N steps to get there), and each loss at step N (the same
+    over 10 steps; async and ssp run 1.5 N steps to get there), and each loss at step N (the same
     number of samples).
 """
 
@@ -73,7 +73,7 @@ def compare(args) -> list[dict]:
     return found
 
 
-def smoothed(rows: list[dict], width: int = 5) -> list[float]:
+def smoothed(rows: list[dict], width: int = 10) -> list[float]:
     losses = [r["loss"] for r in rows]
     return [statistics.fmean(losses[max(0, i - width + 1):i + 1]) for i in range(len(losses))]
 

@@ -1,15 +1,18 @@
 """A parameter server: its shard of the flat parameter vector, the optimizer state of that
 shard, and the rules of the mode for applying what workers push.
 
-sync and ssp:K: the shares of one step are summed in share order (as data parallelism sums
-them) and applied as one optimizer step once all have arrived, steps in order; a pull for the
-share of step c waits until the version is at least c - K (the clock table of stale
-synchronous parallel, Ho et al. 2013; K = 0 is sync). async: each share is applied when it
-arrives, its learning rate scaled by its samples over the global batch, so a step's worth of
-shares moves the model as far as one synchronous step.
+sync (ssp:0): the shares of one step are summed in share order (as data parallelism sums them)
+and applied as one optimizer step once all have arrived, steps in order, so the model is the
+single-process one. async and ssp:K with K >= 1: each share is applied when it arrives, its
+learning rate scaled by its samples over the global batch, so a step's worth of shares moves
+the model as far as one synchronous step; a worker thus reads parameters with every update so
+far, its own included. ssp:K adds the clock table of stale synchronous parallel (Ho et al.
+2013, whose updates are likewise applied as they come): a pull for the share of step c waits
+until every step before c - K is wholly applied (the server's frontier).
 
-The staleness of every applied share is its server's version when applied minus the version
-its worker pulled; per step, its sum, count and maximum are kept for the metrics.
+The staleness of every applied share is recorded: async, updates applied since its worker
+pulled; sync and ssp, the steps its parameters lacked (c minus the frontier it pulled at, at
+most K); per step, its sum, count and maximum are kept for the metrics.
 """
 
 import math
@@ -35,6 +38,9 @@ class Server:
         self.optimizer = job.optimizer_class([self.param], **job.optimizer_kwargs)
         self.base_lr = self.optimizer.param_groups[0]["lr"]
         self.version = 0
+        """Updates applied (async: shares; sync: steps since step 0)."""
+        self.additive = bound is None or bound > 0
+        """Each share applied as it arrives (async, ssp:K >= 1), not summed into its step's update."""
         self.spare: list[torch.Tensor] = []
         self.receiving: dict[int, torch.Tensor] = {}
         self.stats: dict[int, list[float]] = {}
@@ -66,6 +72,8 @@ class Server:
         self.lost: set[int] = set()
         self.broken: set[int] = set()
         self.applied = 0
+        self.frontier = segment.first  # every step before it wholly applied (a segment starts with none in flight)
+        self.left = {clock: len(segment.chunks[clock]) for clock in segment.clocks}
         self.stats = {clock: [0.0, 0.0, 0.0, segment.started] for clock in segment.clocks}
         while not self._served():
             with self.clock.phase("idle"):
@@ -149,8 +157,9 @@ class Server:
     def answer_pulls(self) -> None:
         still = []
         for worker, clock, least in self.waiting:
-            if self.bound is None or self.version >= least:
-                self.wire.send(worker, Message(Kind.PARAMS, version=self.version), self.param.detach())
+            if self.bound is None or self.frontier >= least:
+                level = self.version if self.bound is None else self.frontier
+                self.wire.send(worker, Message(Kind.PARAMS, version=level), self.param.detach())
             elif self.dispatcher and self.dispatcher.earlier_than(worker, clock):
                 # a dead worker's share of an earlier step is back in line: this worker must do it
                 # (waiting for it would wait forever), so it gives its own share back
@@ -174,7 +183,7 @@ class Server:
         self.accepted.add(task)
         if self.dispatcher:
             self.log[task] = (worker, message.oldest, message.samples, message.loss)
-        if self.bound is None:
+        if self.additive:
             self.apply_share(gradient, message)
             self.spare.append(gradient)
         else:
@@ -194,16 +203,23 @@ class Server:
             for version in self.pulled.pop(clock):
                 self.record(clock, clock - version)
             self.applied += len(shares)
+            self._advance(clock, len(shares))
             self.spare.extend(shares.values())
 
     def apply_share(self, gradient: torch.Tensor, message: Message) -> None:
         batch = self.segment.batch(message.clock).size
         scale = batch / message.samples  # the share's own mean gradient
         gradient.mul_(scale)
-        staleness = self.version - message.version
+        staleness = self.version - message.version if self.bound is None else message.clock - message.version
         self.step(gradient, message.clock, math.sqrt(message.norm_sq) * scale, message.samples / batch)
         self.record(message.clock, staleness)
         self.applied += 1
+        self._advance(message.clock, 1)
+
+    def _advance(self, clock: int, shares: int) -> None:
+        self.left[clock] -= shares
+        while self.left.get(self.frontier, 1) == 0:
+            self.frontier += 1
 
     def _global_norm(self, gradient: torch.Tensor) -> float:
         """The norm of the whole model's gradient: every server's part of it summed."""
