@@ -1,7 +1,8 @@
 """The built-in workloads, assembled from plain models and datasets for the Trainer.
 
 gpt-char: a small GPT on characters of the Python standard library's source (or --data text);
-mlp-digits: an MLP on scikit-learn's 8x8 digits. Both go through the public Trainer API.
+mlp-digits: an MLP on scikit-learn's 8x8 digits; recsys: a DLRM-style click model on a synthetic
+click log with a known ceiling. All go through the public Trainer API.
 """
 
 from collections.abc import Callable
@@ -11,11 +12,11 @@ import torch
 import torch.nn as nn
 
 from gradmesh.config import Config
-from gradmesh.data import fetch
+from gradmesh.data import clicks, fetch
 from gradmesh.data.corpus import CharVocab, char_datasets, load_text
 from gradmesh.data.digits import digits_datasets
 from gradmesh.errors import UsageError
-from gradmesh.models import gpt, mlp
+from gradmesh.models import dlrm, gpt, mlp
 
 
 @dataclass
@@ -98,7 +99,39 @@ def mlp_digits(cfg: Config, device: torch.device) -> Workload:
     return Workload(model, mlp.per_sample_loss, train, evaluate, mlp.sample_losses, info=info)
 
 
-BUILDERS = {"gpt-char": gpt_char, "mlp-digits": mlp_digits}
+def click_spec(cfg: Config) -> clicks.ClickSpec:
+    tables, rows = cfg.model.tables, cfg.model.rows
+    per_table = tuple(rows // tables + (1 if t < rows % tables else 0) for t in range(tables))
+    return clicks.ClickSpec(rows=per_table, samples=cfg.model.samples, zipf=cfg.model.zipf)
+
+
+def recsys(cfg: Config, device: torch.device) -> Workload:
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    spec = click_spec(cfg)
+    train, held_out = clicks.generate(spec)
+    model = dlrm.DLRM(spec.rows, cfg.model.dim, clicks.DENSE, cfg.model.hidden)
+    labels = held_out.clicks.numpy()
+    ceiling = {"auc_ceiling": float(roc_auc_score(labels, held_out.truth.numpy())),
+               "log_loss_ceiling": float(log_loss(labels, held_out.truth.numpy(), labels=[0, 1]))}
+    batch = max(cfg.train.global_batch_size, 4096)
+
+    def evaluate(net):
+        logits = []
+        for start in range(0, len(held_out), batch):
+            dense, ids, _ = fetch(held_out, list(range(start, min(start + batch, len(held_out)))))
+            logits.append(net(dense.to(device), ids.to(device)).float().cpu())
+        scores = torch.cat(logits)
+        probabilities = torch.sigmoid(scores).double().numpy()
+        return {"loss": float(dlrm.sample_losses(scores, held_out.clicks).mean()),
+                "auc": float(roc_auc_score(labels, probabilities)), **ceiling}
+
+    info = {"train_samples": len(train), "eval_samples": len(held_out), "table_rows": list(spec.rows),
+            "click_rate": float(train.clicks.mean())}
+    return Workload(model, dlrm.per_sample_loss, train, evaluate, info=info)
+
+
+BUILDERS = {"gpt-char": gpt_char, "mlp-digits": mlp_digits, "recsys": recsys}
 
 
 def build(cfg: Config, device: torch.device) -> Workload:
@@ -113,6 +146,8 @@ def meta_model(cfg: Config) -> nn.Module:
             return gpt.GPT(gpt.GPTConfig(
                 vocab_size=len(vocab.chars), block_size=cfg.model.block_size, n_layer=cfg.model.n_layer,
                 n_head=cfg.model.n_head, n_embd=cfg.model.n_embd, bias=cfg.model.bias))
+        if cfg.model.name == "recsys":
+            return dlrm.DLRM(click_spec(cfg).rows, cfg.model.dim, clicks.DENSE, cfg.model.hidden)
         return mlp.MLP(hidden=cfg.model.hidden)
 
 

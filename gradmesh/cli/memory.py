@@ -12,7 +12,7 @@ from gradmesh.errors import UsageError
 from gradmesh.parallel import registry
 
 GIB = 2**30
-SIZE_KEYS = {"gpt-char": "model.n_layer, model.n_embd", "mlp-digits": "model.hidden"}
+SIZE_KEYS = {"gpt-char": "model.n_layer, model.n_embd", "mlp-digits": "model.hidden", "recsys": "model.rows, model.dim"}
 
 
 def model_size(cfg: configuration.Config, model) -> registry.ModelSize:

@@ -13,63 +13,12 @@ from gradmesh.config.checks import finite as _finite
 from gradmesh.config.checks import one_of as _one_of
 from gradmesh.config.checks import positive as _positive
 from gradmesh.config.ps import PSConfig
+from gradmesh.config.workload import DataConfig, ModelConfig
 from gradmesh.errors import UsageError
 
-MODELS = ("gpt-char", "mlp-digits")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    """Which built-in model to train and its size (nanoGPT's names)."""
-
-    name: str = "gpt-char"
-    """Built-in model: gpt-char (character-level transformer) or mlp-digits."""
-    n_layer: int = 4
-    """Transformer blocks (gpt-char)."""
-    n_head: int = 4
-    """Attention heads per block (gpt-char); must divide n_embd."""
-    n_embd: int = 128
-    """Embedding width (gpt-char)."""
-    block_size: int = 128
-    """Context length in characters (gpt-char)."""
-    dropout: float = 0.0
-    """Dropout probability; 0 keeps training deterministic and parity exact."""
-    bias: bool = True
-    """Bias terms in Linear and LayerNorm layers (gpt-char)."""
-    hidden: int = 128
-    """Hidden width of the two hidden layers (mlp-digits)."""
-
-    def __post_init__(self):
-        _finite(self)
-        _one_of("model", "name", self.name, MODELS)
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "hidden"):
-            _positive("model", name, getattr(self, name))
-        _checks.fraction("model", "dropout", self.dropout)
-        if self.n_embd % self.n_head:
-            raise UsageError(
-                f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}"
-            )
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    """Where the training text comes from (gpt-char)."""
-
-    path: str = ""
-    """UTF-8 text file or folder of text files; empty means the Python standard library's source."""
-    max_chars: int = 3_000_000
-    """Characters of corpus to use at most (the first ones, files in sorted order)."""
-    eval_fraction: float = 0.1
-    """Share of the corpus (its end) held out for eval loss."""
-
-    def __post_init__(self):
-        _finite(self)
-        _positive("data", "max_chars", self.max_chars)
-        if not 0.0 < self.eval_fraction < 0.5:
-            raise UsageError(f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
 
 
 @dataclass(kw_only=True)
