@@ -56,7 +56,6 @@ CASES = {
     "recsys without rows": (["--model", "recsys", "--set", "model.rows=0"], ["model.rows", ">= 1"]),
     "recsys tables without a row each": (["--model", "recsys", "--set", "model.rows=4"], ["model.rows=4", "model.tables"]),
     "recsys zipf not positive": (["--model", "recsys", "--set", "model.zipf=0"], ["model.zipf", "> 0"]),
-    "ps with a step timeout": (["--strategy", "ps", "--nproc", "3", "--step-timeout", "30"], ["--step-timeout", "ps"]),
     "ps batch not divisible": (["--strategy", "ps", "--nproc", "4", "--global-batch-size", "32"], ["32", "workers", "multiple of 3"]),
     "ps options without ps": (["--ps-mode", "async"], ["--ps-mode", "--strategy ps"]),
     "missing data": (["--data", "{tmp}/nope.txt"], ["nope.txt", "does not exist"]),

@@ -211,3 +211,38 @@ def test_sync_survives_a_dead_worker_and_restarts_after_a_dead_server_exactly(ca
     assert rel_l2(weights(tmp_path), weights(reference)) <= 1e-5
     assert consumed_with_lost(tmp_path) == consumed(reference)
     assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 21))
+
+
+@pytest.mark.slow  # a 3 s timeout; the unit test below keeps the rule in the fast tier
+def test_a_hung_worker_is_stopped_and_its_shares_go_to_the_others(catalogue, tmp_path):
+    """Worker 1 hangs while holding a share of step 6 (sync: worker 0 then waits for that step).
+    The dispatcher names worker 1, not the waiting one; the launcher stops it, and the run ends
+    on the single-process model."""
+    result = train(tmp_path, 3, *DIGITS, "--strategy", "ps", "--recovery", "inplace", "--step-timeout", "3",
+                   "--inject", "hang:rank=1,step=6", tiny=False)
+    assert "worker rank 1 has held a share of step 6 for more than --step-timeout 3 s" in result.stderr
+    assert "worker rank 1 made no progress for --step-timeout: stopping it" in result.stderr
+    assert "every rank restarts" not in result.stderr  # the waiting worker 0 was not taken for hung
+    reference = digits_run(catalogue, 1)
+    assert rel_l2(weights(tmp_path), weights(reference)) <= 1e-5
+    assert consumed_with_lost(tmp_path) == consumed(reference)
+
+
+def test_only_the_earliest_steps_late_share_counts_as_hung(monkeypatch):
+    from gradmesh.data import GlobalOrderSampler
+    from gradmesh.engine.ps import segment as segments
+
+    sampler = GlobalOrderSampler(60, 4)
+    segment = segments.Segment([sampler.next_global() for _ in range(3)], workers=2)
+    dispatcher = segments.Dispatcher(segment, static=True)
+    now = [100.0]
+    monkeypatch.setattr(segments.time, "monotonic", lambda: now[0])
+    first, waiting = dispatcher.next(1), dispatcher.next(0)
+    dispatcher.commit(0, waiting)
+    waiting = dispatcher.next(0)  # the next step's share: its pull waits for worker 1's share
+    now[0] += 10
+    assert dispatcher.overdue(5) == [(1, first)]  # worker 0 only waits
+    dispatcher.lose(1)  # its share is back in line, before worker 0's: still nobody's fault but worker 1's
+    assert dispatcher.overdue(5) == []
+    dispatcher.give_back(0, waiting)
+    assert dispatcher.next(0) == first and dispatcher.overdue(5) == []

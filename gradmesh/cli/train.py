@@ -89,7 +89,8 @@ def _add_failure_options(train: argparse.ArgumentParser) -> None:
     faults.add_argument("--max-restarts", type=integer, metavar="K", help="restart: worker-group restarts allowed; inplace: replacement workers started for lost ones "
                              "(ps: restarts after a lost server) (default 3)")
     faults.add_argument("--step-timeout", type=number, metavar="SECONDS",
-                        help="declare a hang when a step makes no progress this long: stacks dumped, ranks named (default off)")
+                        help="declare a hang when a step makes no progress this long: stacks dumped, ranks named "
+                             "(ps: a worker holding a share this long; default off)")
     faults.add_argument("--inject", action="append", metavar="FAULT",
                         help="inject a fault (repeatable): kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, "
                              "slow:rank=R,factor=F|delay=S, diverge:rank=R,step=N; or a soak of N seeded random "

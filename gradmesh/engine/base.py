@@ -95,6 +95,8 @@ class Job:
     """gradmesh.config.PSConfig: servers and mode under the parameter-server strategy."""
     membership: object = None
     """gradmesh.fault.inplace.Membership under in-place recovery, else None."""
+    step_timeout: float = 0.0
+    """--step-timeout: engines whose ranks do not step together apply it to each share of work."""
 
 
 def lr_factor(step: int, train: TrainConfig) -> float:

@@ -54,6 +54,28 @@ def publish_members(store, members: list[int]) -> int:
     return generation
 
 
+EVICTIONS = "gradmesh/inplace/evictions"
+
+
+def _evict_key(identity: int) -> str:
+    return f"gradmesh/inplace/evict/{identity}"
+
+
+def request_eviction(store, identity: int) -> None:
+    """Ask the launcher to stop a worker that hangs (it then counts as lost)."""
+    store.set(_evict_key(identity), "1")
+    store.add(EVICTIONS, 1)
+
+
+def evictions_requested(store, seen: int, identities) -> tuple[int, list[int]]:
+    """(requests so far, the identities among `identities` asked to be evicted) once the count
+    has grown past `seen`; one store round trip when nothing new was asked."""
+    count = store.add(EVICTIONS, 0)
+    if count <= seen:
+        return seen, []
+    return count, [i for i in identities if store.check([_evict_key(i)])]
+
+
 BOUND = 2**31
 """Identities and generation numbers in the store stay below this (steps below 2^63)."""
 
@@ -225,6 +247,10 @@ class Membership:
         if agreed > last_step:
             return False  # the run ends first: the newcomer is told so when it does
         return agreed == step
+
+    def evict(self, identity: int) -> None:
+        """Ask the launcher to stop a member that hangs (a parameter server's --step-timeout)."""
+        request_eviction(self.store, identity)
 
     def finish(self) -> None:
         """The run is over: a replacement still waiting to join may leave."""

@@ -18,7 +18,7 @@ import sys
 import time
 
 from gradmesh import env, lifeline, stores
-from gradmesh.fault.inplace import joining_key, publish_members
+from gradmesh.fault.inplace import evictions_requested, joining_key, publish_members
 
 
 def _describe(identity: int, code: int) -> str:
@@ -86,10 +86,22 @@ class _Launcher:
             self.members += ready
             publish_members(self.store, self.members)
 
+    def _evict(self, alive: set[int]) -> None:
+        """Kill the workers a peer found hanging (a parameter server's --step-timeout): their loss
+        is then handled like any other."""
+        self.evictions, hung = evictions_requested(self.store, self.evictions, sorted(alive - self.evicted))
+        for identity in hung:
+            self.evicted.add(identity)
+            print(f"gradmesh: worker rank {identity} made no progress for --step-timeout: stopping it",
+                  file=sys.stderr, flush=True)
+            self.workers[identity].kill()
+
     def run(self) -> int:
         alive = set(self.workers)
+        self.evictions, self.evicted = 0, set()
         while alive:
             time.sleep(0.02)
+            self._evict(alive)
             if self.waiting:
                 self._admit_ready()
             exited = {identity: self.workers[identity].poll() for identity in alive}

@@ -57,7 +57,7 @@ def services(trainer, faults: FaultConfig) -> Services:
     checkpointing = Checkpointing(ctx, trainer.checkpointing, trainer.sampler, reporting, trainer.run_info,
                                   on_written=injector.at_checkpoint, in_place=session.membership is not None)
     found = Services(reporting, checkpointing, faults=FaultInjection(ctx, injector))
-    if faults.step_timeout:
+    if faults.step_timeout and trainer.engine.lockstep:  # other engines time each share themselves
         from gradmesh.fault.watchdog import Watchdog
 
         watchdog = Watchdog(faults.step_timeout, session.identity, trainer.topo.world_size, trainer.run_dir)

@@ -65,12 +65,13 @@ class Trainer:
         self.monitor, self.counter = build.monitor(session, monitor, self.run_dir, self.plan)
         optimizer_class, kwargs = optimizer or optimizer_spec(self.train)
         reducer = build_reducer(self.counter, self.monitor.clock, session.membership)
+        faults = faults or FaultConfig()
         job = Job(loss_fn, dataset, self.train, optimizer_class, kwargs, criterion, reducer, self.counter, ps or PSConfig(),
-                  session.membership)
+                  session.membership, faults.step_timeout)
         self.engine = build_engine(self.topo, self.plan, model, job)
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
         self.ctx = RunContext(self.topo, self.engine, self.run_dir, session.identity, quiet)
-        self.services = build.services(self, faults or FaultConfig())
+        self.services = build.services(self, faults)
         self.probe = build.probe(self.monitor, self.services)
         self.stepper = self.services.recovery or self.engine
         if session.joined:  # a replacement: the state comes from a live peer

@@ -136,8 +136,6 @@ def check_ps(cfg, mesh: dict[str, int], meta_model) -> None:
     if cfg.train.global_batch_size % (workers * accum):
         raise UsageError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by workers x "
                          f"grad_accum = {workers} x {accum}; use a multiple of {workers * accum}")
-    if cfg.fault.step_timeout:
-        raise UsageError("--step-timeout does not support --strategy ps yet (its ranks do not step together); leave it out")
     layout_of(meta_model(), servers)
 
 

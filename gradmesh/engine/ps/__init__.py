@@ -129,7 +129,7 @@ class ParameterServerEngine:
                 self.server.version = segment.first
             is_dispatcher = self.topology.rank == self.roles.dispatcher
             dispatcher = Dispatcher(segment, static=self.job.ps.mode == "sync") if is_dispatcher else None
-            self.server.serve(segment, dispatcher, self.roles.workers, probe, self._lookout())
+            self.server.serve(segment, dispatcher, self.identities, probe, self._lookout())
             if dispatcher:
                 log = self._log_rows(segment)
         else:

@@ -66,6 +66,8 @@ class Dispatcher:
         """Static: workers whose shares anyone may take (they died)."""
         self.held: dict[int, set[tuple[int, int]]] = {w: set() for w in range(segment.workers)}
         self.committed: set[tuple[int, int]] = set()
+        self.since: dict[tuple[int, int], float] = {}
+        """When each held share was handed out (time.monotonic)."""
 
     def _mine(self, worker: int, task: tuple[int, int]) -> bool:
         return not self.static or task[1] == worker or task[1] in self.orphaned
@@ -75,6 +77,7 @@ class Dispatcher:
         for i, task in enumerate(self.queue):
             if self._mine(worker, task):
                 self.held[worker].add(task)
+                self.since[task] = time.monotonic()
                 return self.queue.pop(i)
         return None
 
@@ -103,6 +106,18 @@ class Dispatcher:
             if task not in self.committed:
                 bisect.insort(self.queue, task)
         self.orphaned.add(worker)
+
+    def overdue(self, seconds: float) -> list[tuple[int, tuple[int, int]]]:
+        """(worker, share) of each share of the earliest step not yet committed that has been held
+        longer than `seconds`. A later share may be late only because its worker waits for an
+        earlier step (sync and ssp hold its pull), held by another or back in line after a loss;
+        a share of the earliest step never waits."""
+        held = [(task, worker) for worker, tasks in self.held.items() for task in tasks]
+        if not held:
+            return []
+        earliest, now = min([task[0] for task, _ in held] + [task[0] for task in self.queue]), time.monotonic()
+        return [(worker, task) for task, worker in sorted(held)
+                if task[0] == earliest and now - self.since[task] > seconds]
 
     def earlier_than(self, worker: int, clock: int) -> bool:
         """A share of an earlier step is waiting that this worker may take."""

@@ -16,6 +16,7 @@ most K); per step, its sum, count and maximum are kept for the metrics.
 """
 
 import math
+import sys
 import time
 
 import torch
@@ -55,12 +56,14 @@ class Server:
 
     # -- a segment -------------------------------------------------------------------------------
 
-    def serve(self, segment: Segment, dispatcher: Dispatcher | None, workers: int, probe, lookout=None) -> None:
+    def serve(self, segment: Segment, dispatcher: Dispatcher | None, identities: list[int], probe, lookout=None) -> None:
         """Answer workers until every share of the segment is applied here (and, on the
         dispatcher, every live worker has been told the segment is done).
 
-        `lookout` (in-place recovery): sees workers die; their shares go to the others."""
-        self.segment, self.dispatcher, self.workers, self.probe = segment, dispatcher, workers, probe
+        `identities`: the rank each rank was started as; `lookout` (in-place recovery): sees
+        workers die, whose shares go to the others."""
+        self.segment, self.dispatcher, self.probe = segment, dispatcher, probe
+        self.identities, self.workers = identities, segment.workers
         self.done: dict[int, dict[int, torch.Tensor]] = {}
         self.pulled: dict[int, list[int]] = {}
         self.waiting: list[tuple[int, int, int]] = []  # (worker, clock, least version)
@@ -71,18 +74,23 @@ class Server:
         self.told_done: set[int] = set()
         self.lost: set[int] = set()
         self.broken: set[int] = set()
+        self.hung: set[int] = set()
         self.applied = 0
         self.frontier = segment.first  # every step before it wholly applied (a segment starts with none in flight)
         self.left = {clock: len(segment.chunks[clock]) for clock in segment.clocks}
         self.stats = {clock: [0.0, 0.0, 0.0, segment.started] for clock in segment.clocks}
+        timed = dispatcher is not None and self.job.step_timeout > 0
+        wake = (lambda: (lookout is not None and lookout()) or bool(self._overdue())) if lookout or timed else None
         while not self._served():
             with self.clock.phase("idle"):
-                got = self.wire.receive_any(lookout)
+                got = self.wire.receive_any(wake)
             if got is not None:
                 self.handle(*got)
             for worker in (lookout.take() if lookout else []) + sorted(self.failed):
                 self.lose(worker)
             self.failed = set()
+            if timed:
+                self._stop_hung(self._overdue())
         with self.clock.phase("send"):
             self.wire.settle(tolerant=True)
         for worker in self.lost | self.broken:
@@ -124,6 +132,24 @@ class Server:
             self.serve_parked()
         else:
             raise RuntimeError(f"parameter server {self.index}: unexpected {kind.name} from rank {source}")
+
+    def _overdue(self) -> list[tuple[int, tuple[int, int]]]:
+        if self.dispatcher is None or not self.job.step_timeout:
+            return []
+        return [(w, task) for w, task in self.dispatcher.overdue(self.job.step_timeout) if w not in self.hung]
+
+    def _stop_hung(self, overdue: list[tuple[int, tuple[int, int]]]) -> None:
+        """Dispatcher, --step-timeout: a worker holding a share that long without committing it
+        hangs. Under in-place recovery the launcher stops it and the others take its shares;
+        otherwise the job ends here (or restarts, under --recovery restart) rather than wait."""
+        for worker, (clock, _) in overdue:
+            self.hung.add(worker)
+            what = (f"parameter server: worker rank {worker} has held a share of step {clock} for more than "
+                    f"--step-timeout {self.job.step_timeout:g} s without committing it")
+            if self.job.membership is None:
+                raise RuntimeError(what + "; it hangs (--recovery inplace would go on without it)")
+            print(f"gradmesh: {what}: it hangs and is stopped", file=sys.stderr, flush=True)
+            self.job.membership.evict(self.identities[worker])
 
     def serve_parked(self) -> None:
         """Dispatcher: hand each waiting worker a share; once all are committed, tell it so."""
