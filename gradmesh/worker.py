@@ -65,7 +65,7 @@ def train(cfg: configuration.Config) -> dict:
     trainer = Trainer(session, workload.model, workload.loss_fn, workload.train_data, train=cfg.train,
                       checkpointing=cfg.checkpoint, run_dir=run_dir, eval_fn=workload.eval_fn,
                       quiet=cfg.run.quiet, run_info=run_info(cfg), criterion=workload.criterion,
-                      faults=cfg.fault, monitor=cfg.monitor, ps=cfg.ps)
+                      faults=cfg.fault, monitor=cfg.monitor, ps=cfg.ps, optimizer=workload.optimizer)
     summary = trainer.fit()
     if session.rank == 0:
         sample = workload.finish(trainer.final_weights)

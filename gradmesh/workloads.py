@@ -30,6 +30,9 @@ class Workload:
     finish: Callable[[dict], str | None] = lambda weights: None
     """Given the final full weights on rank 0, a text to show (gpt-char: a generated sample)."""
     info: dict = field(default_factory=dict)
+    optimizer: tuple[type, dict] | None = None
+    """(optimizer class, keyword arguments) when the workload needs its own (recsys: row-wise
+    Adagrad for the tables); None: the one `train.optimizer` names."""
 
 
 def _held_out_batches(dataset, batches: int, batch_size: int) -> list[list[int]]:
@@ -128,7 +131,17 @@ def recsys(cfg: Config, device: torch.device) -> Workload:
 
     info = {"train_samples": len(train), "eval_samples": len(held_out), "table_rows": list(spec.rows),
             "click_rate": float(train.clicks.mean())}
-    return Workload(model, dlrm.per_sample_loss, train, evaluate, info=info)
+    return Workload(model, dlrm.per_sample_loss, train, evaluate, info=info, optimizer=recsys_optimizer(cfg, model))
+
+
+def recsys_optimizer(cfg: Config, model: dlrm.DLRM) -> tuple[type, dict]:
+    """`train.optimizer` for the dense layers, row-wise Adagrad at `train.table_lr` for the tables."""
+    from gradmesh.loop.trainer import optimizer_spec
+    from gradmesh.optim import with_rowwise_tables
+
+    base, kwargs = optimizer_spec(cfg.train)
+    shapes = [tuple(table.weight.shape) for table in model.tables]
+    return with_rowwise_tables(base), {**kwargs, "table_shapes": shapes, "table_lr": cfg.train.table_lr}
 
 
 BUILDERS = {"gpt-char": gpt_char, "mlp-digits": mlp_digits, "recsys": recsys}

@@ -3,7 +3,9 @@ AUC is known, so a trained model is judged against the ceiling."""
 
 import torch
 
-from helpers import summary
+from catalogue import copy_run
+from gradmesh.fault import checkpoint
+from helpers import rel_l2, summary, train, weights
 
 SMALL = ("--model", "recsys", "--set", "model.rows=4000", "--set", "model.samples=100000",
          "--max-steps", "350", "--global-batch-size", "256")
@@ -28,3 +30,55 @@ def test_recsys_trains_near_the_bayes_optimal_auc(catalogue):
     assert 0.85 < found["auc_ceiling"] < 1.0
     assert found["auc_ceiling"] - 0.03 <= found["auc"] <= found["auc_ceiling"]  # measured 0.022 below
     assert found["loss"] < 0.5 * (found["log_loss_ceiling"] + 0.58)  # well below a constant click rate's 0.58
+
+
+def test_tables_train_row_wise_and_the_rest_with_torchs_own_optimizer():
+    """Against the formula: a row no batch touched does not move; a touched row r moves by
+    lr g_r / sqrt(sum over steps of mean_j g_rj^2); the dense layer matches plain AdamW."""
+    from gradmesh.optim import with_rowwise_tables
+
+    torch.manual_seed(0)
+    table, dense = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1)
+    reference = torch.nn.Linear(4, 1)
+    reference.load_state_dict(dense.state_dict())
+    optimizer = with_rowwise_tables(torch.optim.AdamW)([table.weight, *dense.parameters()], table_shapes=[(10, 4)],
+                                                       table_lr=0.1, lr=1e-2)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    start, accumulator = table.weight.detach().clone(), torch.zeros(10)
+    expected = start.clone()
+    for ids in ([1, 3, 3], [3, 5]):
+        ids = torch.tensor(ids)
+        for net, opt in ((dense, optimizer), (reference, plain)):
+            opt.zero_grad()
+        dense(table(ids)).sum().backward()
+        reference(table.weight[ids].detach()).sum().backward()
+        grad = table.weight.grad.clone()
+        accumulator += grad.pow(2).mean(dim=1)
+        touched = grad.abs().sum(dim=1) > 0
+        expected[touched] -= 0.1 * grad[touched] / (accumulator[touched].sqrt() + 1e-8).unsqueeze(1)
+        optimizer.step()
+        plain.step()
+        table.weight.grad = None
+    assert torch.allclose(table.weight, expected, atol=1e-6)
+    assert torch.equal(table.weight[[0, 2, 4, 6, 7, 8, 9]], start[[0, 2, 4, 6, 7, 8, 9]])  # untouched rows
+    assert all(torch.allclose(a, b) for a, b in zip(dense.parameters(), reference.parameters()))
+    assert optimizer.state[table.weight]["sum"].shape == (10,)  # one accumulator per row, no second table
+
+
+PARITY = ("--model", "recsys", "--set", "model.rows=4000", "--set", "model.samples=20000", "--max-steps", "20",
+          "--global-batch-size", "256", "--checkpoint-every", "10", "--set", "checkpoint.keep=0")
+
+
+def test_two_ranks_train_the_single_process_model_tables_included(catalogue):
+    """Data parallel recsys (dense table gradients all-reduced, row-wise Adagrad on every rank)
+    equals one process: the reference the parameter-server paths will be held to."""
+    assert rel_l2(weights(catalogue.run(2, *PARITY, tiny=False)), weights(catalogue.run(1, *PARITY, tiny=False))) <= 1e-5
+
+
+def test_the_tables_row_wise_state_resumes_under_another_strategy(catalogue, tmp_path):
+    """The step-10 checkpoint of the 2-rank run (row-wise accumulators included) resumed under
+    zero1 ends where one process does after 20 steps."""
+    split = copy_run(catalogue.run(2, *PARITY, tiny=False), tmp_path / "split")
+    checkpoint.checkpoint_root(split).joinpath("step-20").rename(split / "not-this-one")
+    train(split, 2, "--resume", "--strategy", "zero1", "--max-steps", "20", tiny=False)
+    assert rel_l2(weights(split), weights(catalogue.run(1, *PARITY, tiny=False))) <= 1e-5

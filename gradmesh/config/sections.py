@@ -52,6 +52,8 @@ class TrainConfig:
     """Decoupled weight decay (adamw) or L2 (sgd)."""
     momentum: float = 0.9
     """SGD momentum."""
+    table_lr: float = 0.2
+    """Learning rate of the embedding tables, which train with row-wise Adagrad (recsys)."""
     warmup_steps: int = 20
     """Linear warm-up steps."""
     decay_steps: int = 1500
@@ -87,6 +89,8 @@ class TrainConfig:
             raise UsageError(f"train.bucket_mb must be > 0 (MiB, e.g. 25), got {self.bucket_mb}")
         if self.lr <= 0 or self.min_lr < 0:
             raise UsageError(f"train.lr must be > 0 and train.min_lr >= 0, got {self.lr}, {self.min_lr}")
+        if self.table_lr <= 0:
+            raise UsageError(f"train.table_lr must be > 0 (the tables' row-wise Adagrad), got {self.table_lr}")
         _checks.fraction("train", "momentum", self.momentum)  # torch refuses < 0 only after launch
 
     @property

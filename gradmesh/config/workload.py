@@ -40,7 +40,7 @@ class ModelConfig:
     """Embedding dimension (recsys)."""
     zipf: float = 1.1
     """Exponent of the Zipf distribution the click log's ids are drawn from (recsys)."""
-    samples: int = 1_000_000
+    samples: int = 3_000_000
     """Samples in the synthetic click log, training and held out (recsys)."""
 
     def __post_init__(self):

@@ -1,0 +1,64 @@
+"""Row-wise Adagrad for embedding tables, beside torch's own optimizer for every other parameter.
+
+Recommendation models train their tables with a row-wise optimizer: one accumulator per row
+(FBGEMM's and TorchRec's default), so a table's optimizer state is a column, not a second table,
+and a row no batch touched is left exactly as it was (its gradient is zero: it adds nothing to
+the accumulator and moves nothing), which lets a parameter server update only the rows pushed
+to it and still match single-process training. torch's Adagrad keeps one accumulator per element
+and has no row-wise form, so the few lines of it are here.
+
+`with_rowwise_tables(base)` is a subclass of torch's optimizer class `base` (AdamW, SGD): the
+parameters whose shape is one of `table_shapes` are updated row-wise at `table_lr` (times the
+run's learning-rate schedule) with no weight decay, the others by `base` as usual, in the same
+param groups. Tables are told apart by their (global) shape because wrappers such as FSDP2
+replace the parameter objects.
+"""
+
+import torch
+
+EPS = 1e-8
+
+
+def rowwise_adagrad(param: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor, lr: float) -> None:
+    """accumulator[r] += mean_j grad[r, j]^2; param[r] -= lr grad[r] / (sqrt(accumulator[r]) + EPS)."""
+    accumulator.add_(grad.pow(2).mean(dim=1))
+    param.addcdiv_(grad, accumulator.sqrt().add_(EPS).unsqueeze(1), value=-lr)
+
+
+def with_rowwise_tables(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    class RowwiseTables(base):
+        def __init__(self, params, *, table_shapes, table_lr: float, **kwargs):
+            super().__init__(params, **kwargs)
+            self.table_shapes = {tuple(shape) for shape in table_shapes}
+            for group in self.param_groups:  # groups stay as given (ZeRO matches them one to one)
+                group.setdefault("table_lr", table_lr)
+                group.setdefault("first_lr", group["lr"])
+
+        def _is_table(self, param: torch.Tensor) -> bool:
+            return tuple(param.shape) in self.table_shapes
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            everything = []
+            for group in self.param_groups:
+                schedule = group["lr"] / group["first_lr"]  # the run's warm-up and decay apply to tables too
+                for param in group["params"]:
+                    if param.grad is None or not self._is_table(param):
+                        continue
+                    state = self.state[param]
+                    if "sum" not in state:
+                        # one per row; from a column of the parameter, so a row-sharded DTensor gets a sharded one
+                        state["sum"] = torch.zeros_like(param[:, 0], memory_format=torch.contiguous_format)
+                        state["step"] = torch.tensor(0.0)  # torch's Adam expects one in every state it loads
+                    rowwise_adagrad(param, param.grad, state["sum"], group["table_lr"] * schedule)
+                    state["step"] += 1
+                everything.append(group["params"])
+                group["params"] = [p for p in group["params"] if not self._is_table(p)]
+            try:
+                return super().step(closure)
+            finally:
+                for group, params in zip(self.param_groups, everything):
+                    group["params"] = params
+
+    RowwiseTables.__name__ = RowwiseTables.__qualname__ = f"RowwiseTables{base.__name__}"
+    return RowwiseTables
