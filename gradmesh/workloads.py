@@ -134,6 +134,13 @@ def recsys(cfg: Config, device: torch.device) -> Workload:
     return Workload(model, dlrm.per_sample_loss, train, evaluate, info=info, optimizer=recsys_optimizer(cfg, model))
 
 
+def data_bytes(cfg: Config) -> int:
+    """Host memory one rank's copy of the workload's data takes, where that can be large."""
+    if cfg.model.name != "recsys":
+        return 0
+    return cfg.model.samples * (4 * clicks.DENSE + 8 * cfg.model.tables + 8)  # dense, ids, click and truth
+
+
 def recsys_optimizer(cfg: Config, model: dlrm.DLRM) -> tuple[type, dict]:
     """`train.optimizer` for the dense layers, row-wise Adagrad at `train.table_lr` for the tables."""
     from gradmesh.loop.trainer import optimizer_spec

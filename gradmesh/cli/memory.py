@@ -30,6 +30,7 @@ def check_memory(cfg: configuration.Config, plan: registry.Plan, meta_model, npr
     """UsageError when the estimated model state exceeds the memory it will live in."""
     from gradmesh.topology import memory_bytes
 
+    _check_data(cfg, nproc, memory_bytes("cpu"))
     have = memory_bytes(device)
     if have is None:
         return
@@ -52,3 +53,15 @@ def _sharded(size: registry.ModelSize, world: int, sharing: int, need: float) ->
     lightest = min(registry.ROWS, key=lambda row: row.state_bytes(size, world))
     lighter = lightest.state_bytes(size, world) * sharing
     return [f"--strategy {lightest.name} (~{lighter / GIB:.1f} GiB)"] if lighter < 0.9 * need else []
+
+
+def _check_data(cfg: configuration.Config, nproc: int, have: int | None) -> None:
+    """Every local rank generates and holds the whole synthetic click log (recsys)."""
+    from gradmesh import workloads
+
+    need = workloads.data_bytes(cfg) * nproc
+    if have is None or need <= have / 2:  # the model, torch and the generation's temporaries need the rest
+        return
+    raise UsageError(f"model.samples={cfg.model.samples:,}: the click log takes ~{need / GIB:.1f} GiB on {nproc} "
+                     f"rank(s) (each holds all of it) but this machine has {have / GIB:.1f} GiB; use at most "
+                     f"model.samples={int(cfg.model.samples * have / 2 / need):,}")

@@ -52,11 +52,11 @@ class Layout:
         for numel in self.numels:
             self.offsets.append(self.offsets[-1] + numel)
         self.total = self.offsets[-1]
-        cuts = row_boundaries(self.shapes)
-        if servers > len(cuts) - 1:
-            raise UsageError(f"--ps-servers {servers}: the model has {len(cuts) - 1} rows of parameters in all, so at "
-                             f"most {len(cuts) - 1} servers can each hold a share; give --ps-servers at most {len(cuts) - 1}")
-        self.bounds = _balanced(cuts, servers)
+        rows = Rows(self.shapes)
+        if servers > rows.count:
+            raise UsageError(f"--ps-servers {servers}: the model has {rows.count} rows of parameters in all, so at "
+                             f"most {rows.count} servers can each hold a share; give --ps-servers at most {rows.count}")
+        self.bounds = _balanced(rows, servers)
 
     def shard(self, server: int) -> tuple[int, int]:
         return self.bounds[server], self.bounds[server + 1]
@@ -90,33 +90,46 @@ def _numel(shape: tuple[int, ...]) -> int:
     return numel
 
 
-def row_boundaries(shapes: list[tuple[int, ...]]) -> list[int]:
-    """Flat offsets where a row of some parameter starts, and the end: the places a shard may begin."""
-    cuts, offset = [0], 0
-    for shape in shapes:
-        numel = _numel(shape)
-        rows = shape[0] if shape and numel else 1
-        row = numel // rows if rows else 0
-        cuts.extend(offset + row * r for r in range(1, rows))
-        offset += numel
-        if numel:
-            cuts.append(offset)
-    return sorted(set(cuts))
+class Rows:
+    """The places a shard may begin: where a row of some parameter starts, numbered 0..count
+    (count: the end of the flat vector). Computed, not listed: a table of 10^7 rows has 10^7."""
+
+    def __init__(self, shapes: list[tuple[int, ...]]):
+        self.starts, self.widths, self.firsts = [], [], []  # per non-empty parameter
+        offset, count = 0, 0
+        for shape in shapes:
+            numel = _numel(shape)
+            if numel:
+                rows = shape[0] if shape else 1
+                self.starts.append(offset)
+                self.widths.append(numel // rows)
+                self.firsts.append(count)
+                count += rows
+            offset += numel
+        self.count, self.total = count, offset
+
+    def offset(self, index: int) -> int:
+        """The flat offset of cut `index`."""
+        if index >= self.count:
+            return self.total
+        j = bisect.bisect_right(self.firsts, index) - 1
+        return self.starts[j] + (index - self.firsts[j]) * self.widths[j]
+
+    def nearest(self, offset: float) -> int:
+        """The index of the cut nearest to `offset`."""
+        j = max(bisect.bisect_right(self.starts, offset) - 1, 0)
+        rows = (self.firsts[j + 1] if j + 1 < len(self.firsts) else self.count) - self.firsts[j]
+        return self.firsts[j] + min(max(round((offset - self.starts[j]) / self.widths[j]), 0), rows)
 
 
-def _balanced(cuts: list[int], servers: int) -> list[int]:
-    """S+1 bounds from `cuts`, each share as near total/S elements as whole rows allow, none empty."""
-    total, bounds = cuts[-1], [0]
+def _balanced(rows: Rows, servers: int) -> list[int]:
+    """S+1 bounds at row starts, each share as near total/S elements as whole rows allow, none empty."""
+    indices = [0]
     for s in range(1, servers):
-        target = total * s / servers
-        i = bisect.bisect_left(cuts, target)
-        if i > 0 and (i == len(cuts) or target - cuts[i - 1] <= cuts[i] - target):
-            i -= 1
-        lowest = cuts.index(bounds[-1]) + 1
-        highest = len(cuts) - 1 - (servers - s)  # leave a row for each server still to come
-        bounds.append(cuts[min(max(i, lowest), highest)])
-    bounds.append(total)
-    return bounds
+        lowest = indices[-1] + 1
+        highest = rows.count - (servers - s)  # leave a row for each server still to come
+        indices.append(min(max(rows.nearest(rows.total * s / servers), lowest), highest))
+    return [rows.offset(i) for i in indices] + [rows.total]
 
 
 def layout_of(model: nn.Module, servers: int) -> Layout:
