@@ -1,0 +1,83 @@
+"""Benchmark: the recsys workload by data parallelism at 10^5, 10^6 and 10^7 table rows.
+
+    .venv/bin/python benchmarks/bench_recsys.py      # prints a table, writes benchmarks/results/recsys.json
+
+2 ranks of ddp, 8 tables x 16 dimensions, global batch 512, a 200,000-sample click log: the
+tables' gradients are dense, so every step all-reduces the whole of every table however few
+rows the batch touched. Per size: samples/s (median step time after the first `--warmup`
+steps), the bytes each rank sends per step (what the reducer all-reduces, times the ring's
+2(n-1)/n, beside the formula 2(n-1)/n x 4P), the rows a step actually touches (what a
+parameter server would move instead), and each rank's peak memory beside the tables' bytes.
+The parameter-server and hybrid columns of issue 15 come with its sparse path.
+"""
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bench_ps import train
+
+HERE = Path(__file__).parent
+SIZES = (10**5, 10**6, 10**7)
+TABLES, DIM, BATCH = 8, 16, 512
+
+
+def touched_rows(rows: int, samples: int = 20 * BATCH) -> float:
+    """Distinct rows per step (all tables), over the first steps' batches of the log."""
+    import torch
+
+    from gradmesh.data.clicks import ClickSpec, generate
+
+    train_split, _ = generate(ClickSpec(rows=(rows // TABLES,) * TABLES, samples=samples + 1))
+    per_step = [sum(len(torch.unique(train_split.ids[i:i + BATCH, t])) for t in range(TABLES))
+                for i in range(0, samples - BATCH + 1, BATCH)]
+    return statistics.fmean(per_step)
+
+
+def params(rows: int) -> int:
+    from gradmesh import workloads
+    from gradmesh.cli import build_parser
+    from gradmesh.cli.options import resolve_config
+
+    cfg = resolve_config(build_parser().parse_args(["train", "--model", "recsys", "--set", f"model.rows={rows}"]))
+    return sum(p.numel() for p in workloads.meta_model(cfg).parameters())
+
+
+def measure(rows: int, args) -> dict:
+    found = train(2, args.steps, BATCH, "--model", "recsys", "--set", f"model.rows={rows}", "--set",
+                  "model.samples=200000", "--strategy", "ddp")
+    steady = found[args.warmup:]
+    step_s = statistics.median(r["step_time_s"] for r in steady)
+    ring = 2 * (2 - 1) / 2
+    return {"rows": rows, "samples_per_s": BATCH / step_s, "step_s": step_s,
+            "sent_bytes": statistics.median(r["breakdown"]["comm_bytes"][0] for r in steady) * ring,
+            "formula_bytes": ring * 4 * params(rows), "table_bytes": 4 * rows * DIM,
+            "peak_bytes": max(max(r["peak_memory_bytes"]) for r in steady), "touched_rows": touched_rows(rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    result = [measure(rows, args) for rows in SIZES]
+    table = Table(title="recsys, ddp on 2 ranks (dense table gradients), global batch 512")
+    for column in ("table rows", "samples/s", "sent per rank/step", "formula 2(n-1)/n x 4P",
+                   "rows touched/step", "sparse push (touched x dim x 4)", "peak memory/rank", "tables"):
+        table.add_column(column, justify="right")
+    for row in result:
+        table.add_row(f"{row['rows']:,}", f"{row['samples_per_s']:,.0f}", f"{row['sent_bytes'] / 1e6:,.1f} MB",
+                      f"{row['formula_bytes'] / 1e6:,.1f} MB", f"{row['touched_rows']:,.0f}",
+                      f"{row['touched_rows'] * DIM * 4 / 1e6:.2f} MB", f"{row['peak_bytes'] / 2**20:,.0f} MiB",
+                      f"{row['table_bytes'] / 2**20:,.0f} MiB")
+    Console().print(table)
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "recsys.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
