@@ -29,7 +29,7 @@ def test_recsys_trains_near_the_bayes_optimal_auc(catalogue):
     found = summary(run)["eval"]
     assert 0.85 < found["auc_ceiling"] < 1.0
     assert found["auc_ceiling"] - 0.03 <= found["auc"] <= found["auc_ceiling"]  # measured 0.022 below
-    assert found["loss"] < 0.5 * (found["log_loss_ceiling"] + 0.58)  # well below a constant click rate's 0.58
+    assert found["loss"] < 0.5 * (found["loss_ceiling"] + 0.58)  # well below a constant click rate's 0.58
 
 
 def test_tables_train_row_wise_and_the_rest_with_torchs_own_optimizer():
@@ -82,3 +82,15 @@ def test_the_tables_row_wise_state_resumes_under_another_strategy(catalogue, tmp
     checkpoint.checkpoint_root(split).joinpath("step-20").rename(split / "not-this-one")
     train(split, 2, "--resume", "--strategy", "zero1", "--max-steps", "20", tiny=False)
     assert rel_l2(weights(split), weights(catalogue.run(1, *PARITY, tiny=False))) <= 1e-5
+
+
+def test_the_summary_shows_each_metric_beside_its_ceiling():
+    from gradmesh.monitor.progress import summary_table
+
+    found = {"loss": 0.43, "auc": 0.858, "auc_ceiling": 0.8678, "loss_ceiling": 0.42}
+    summary = {"strategy": "ddp", "world_size": 2, "steps": 5, "samples": 10, "wall_s": 1.0, "samples_per_s": 10.0,
+               "final_loss": 0.5, "eval": found, "run_dir": "runs/x"}
+    table = summary_table(summary)
+    rows = dict(zip(table.columns[0]._cells, table.columns[1]._cells))
+    assert rows["eval auc"] == "0.8580 (ceiling 0.8678, -0.0098)"
+    assert rows["eval loss"] == "0.4300 (ceiling 0.4200, +0.0100)" and "eval auc_ceiling" not in rows

@@ -60,6 +60,21 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _eval_rows(found: dict) -> list[tuple[str, str]]:
+    """One row per held-out metric; a metric with a known ceiling (recsys: `auc_ceiling`) is
+    shown beside it, with the gap."""
+    rows = []
+    for key, value in found.items():
+        if key.endswith("_ceiling") and key.removesuffix("_ceiling") in found:
+            continue
+        text = f"{value:.4f}" if isinstance(value, float) else str(value)
+        ceiling = found.get(f"{key}_ceiling")
+        if isinstance(value, float) and isinstance(ceiling, float):
+            text += f" (ceiling {ceiling:.4f}, {value - ceiling:+.4f})"
+        rows.append((f"eval {key}", text))
+    return rows
+
+
 def summary_table(summary: dict) -> Table:
     table = Table(title="gradmesh run summary", show_header=True, header_style="bold")
     table.add_column("metric")
@@ -70,7 +85,7 @@ def summary_table(summary: dict) -> Table:
         ("wall time", f"{summary['wall_s']:.1f} s"), ("samples/s", f"{summary['samples_per_s']:,.1f}"),
         ("final train loss", f"{summary['final_loss']:.4f}"),
     ]
-    rows += [(f"eval {k}", f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in summary.get("eval", {}).items()]
+    rows += _eval_rows(summary.get("eval", {}))
     for key, label in (("model_state_bytes", "model state / rank"), ("peak_memory_bytes", "peak memory / rank")):
         if summary.get(key):
             rows.append((label, ", ".join(_fmt_bytes(b) for b in summary[key])))
