@@ -57,6 +57,7 @@ CASES = {
     "recsys tables without a row each": (["--model", "recsys", "--set", "model.rows=4"], ["model.rows=4", "model.tables"]),
     "recsys log beyond memory": (["--model", "recsys", "--set", "model.samples=2000000000"], ["model.samples=2,000,000,000", "at most"]),
     "recsys tables beyond memory": (["--model", "recsys", "--set", "model.rows=2000000000"], ["does not fit", "model.rows"]),
+    "recsys on parameter servers (not yet)": (["--model", "recsys", "--strategy", "ps", "--nproc", "3"], ["--strategy ps", "recsys", "ddp"]),
     "recsys zipf not positive": (["--model", "recsys", "--set", "model.zipf=0"], ["model.zipf", "> 0"]),
     "ps batch not divisible": (["--strategy", "ps", "--nproc", "4", "--global-batch-size", "32"], ["32", "workers", "multiple of 3"]),
     "ps options without ps": (["--ps-mode", "async"], ["--ps-mode", "--strategy ps"]),

@@ -16,6 +16,9 @@ def _mlp(widths: list[int], last_activation: bool) -> nn.Sequential:
 
 
 class DLRM(nn.Module):
+    sparse = True
+    """Its embedding tables train sparse: a batch touches a few of their rows (row-wise optimizer)."""
+
     def __init__(self, rows: tuple[int, ...], dim: int, dense: int, hidden: int):
         super().__init__()
         self.tables = nn.ModuleList(nn.Embedding(count, dim) for count in rows)

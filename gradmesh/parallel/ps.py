@@ -149,7 +149,11 @@ def check_ps(cfg, mesh: dict[str, int], meta_model) -> None:
     if cfg.train.global_batch_size % (workers * accum):
         raise UsageError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by workers x "
                          f"grad_accum = {workers} x {accum}; use a multiple of {workers * accum}")
-    layout_of(meta_model(), servers)
+    model = meta_model()
+    if getattr(model, "sparse", False):  # the flat vector would hold whole tables, on an element-wise optimizer
+        raise UsageError(f"--strategy ps does not train {cfg.model.name}'s sparse embedding tables yet (the servers' "
+                         "row-sharded tables are not built); use --strategy ddp, zero1 or fsdp")
+    layout_of(model, servers)
 
 
 def server_ranks(cfg, world: int) -> list[int]:
