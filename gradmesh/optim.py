@@ -41,7 +41,8 @@ def with_rowwise_tables(base: type[torch.optim.Optimizer]) -> type[torch.optim.O
         def step(self, closure=None):
             everything = []
             for group in self.param_groups:
-                schedule = group["lr"] / group["first_lr"]  # the run's warm-up and decay apply to tables too
+                # the run's warm-up and decay apply to tables too
+                schedule = group["lr"] / group["first_lr"] if group["first_lr"] else 0.0
                 for param in group["params"]:
                     if param.grad is None or not self._is_table(param):
                         continue

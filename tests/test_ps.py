@@ -167,11 +167,11 @@ def test_a_dead_workers_shares_go_back_in_line_before_what_the_others_hold():
 
 
 def test_steps_finished_out_of_order_share_the_time_they_were_waited_for():
-    from gradmesh.engine.ps import _step_seconds
+    from gradmesh.engine.ps.report import step_seconds
 
-    assert _step_seconds(0.0, [1.0, 2.0, 1.5, 4.0]) == [1.0, 0.5, 0.5, 2.0]  # step 3 was done with step 2
-    assert _step_seconds(0.0, [0.0, 2.0, 3.0]) == [1.0, 1.0, 1.0]
-    assert sum(_step_seconds(5.0, [6.0, 5.5, 9.0])) == 4.0
+    assert step_seconds(0.0, [1.0, 2.0, 1.5, 4.0]) == [1.0, 0.5, 0.5, 2.0]  # step 3 was done with step 2
+    assert step_seconds(0.0, [0.0, 2.0, 3.0]) == [1.0, 1.0, 1.0]
+    assert sum(step_seconds(5.0, [6.0, 5.5, 9.0])) == 4.0
 
 
 def consumed_with_lost(run_dir) -> dict[int, Counter]:

@@ -1,11 +1,13 @@
 """The recsys workload (issue 15): a DLRM-style model on a synthetic click log whose Bayes-optimal
 AUC is known, so a trained model is judged against the ceiling."""
 
+import json
+
 import torch
 
 from catalogue import copy_run
 from gradmesh.fault import checkpoint
-from helpers import rel_l2, summary, train, weights
+from helpers import metrics, rel_l2, summary, train, weights
 
 SMALL = ("--model", "recsys", "--set", "model.rows=4000", "--set", "model.samples=100000",
          "--max-steps", "350", "--global-batch-size", "256")
@@ -94,3 +96,44 @@ def test_the_summary_shows_each_metric_beside_its_ceiling():
     rows = dict(zip(table.columns[0]._cells, table.columns[1]._cells))
     assert rows["eval auc"] == "0.8580 (ceiling 0.8678, -0.0098)"
     assert rows["eval loss"] == "0.4300 (ceiling 0.4200, +0.0100)" and "eval auc_ceiling" not in rows
+
+
+def test_parameter_servers_hold_the_tables_row_sharded_and_train_the_single_process_model(catalogue):
+    """Sync, 2 servers and 2 workers: the tables live on the servers by row range; workers pull
+    the rows a batch looks up and push their gradients; the model after 20 steps is the one
+    process's (tables by row-wise Adagrad, the rest by AdamW, as one process trains them)."""
+    run = catalogue.run(4, *PARITY, "--strategy", "ps", "--ps-servers", "2", "--record-samples", tiny=False)
+    assert rel_l2(weights(run), weights(catalogue.run(1, *PARITY, tiny=False))) <= 1e-5
+
+
+def test_the_wire_carries_only_the_rows_a_share_looks_up(catalogue):
+    """Bytes on the wire over the run equal the formula, to the byte: per share, the dense vector
+    pushed and pulled (8 bytes per dense parameter) and, per table, each distinct id looked up
+    pulled and pushed (an 8-byte id and a 4-byte-per-dimension row each way), plus 72-byte
+    headers: take and task, a pull and an answer, a bucket push and a commit per server, and
+    per table and server holding any of the ids, a row request, its answer and a push; and per
+    worker and segment, the last take and its done."""
+    from gradmesh import workloads
+    from gradmesh.config import build
+    from gradmesh.data import clicks
+    from gradmesh.parallel.ps import dense_parameters, table_rows
+
+    run = catalogue.run(4, *PARITY, "--strategy", "ps", "--ps-servers", "2", "--record-samples", tiny=False)
+    cfg = build([{"model": {"name": "recsys", "rows": 4000, "samples": 20000}}])
+    dataset, _ = clicks.generate(workloads.click_spec(cfg))
+    servers, workers, segments = 2, 2, 2  # checkpoints at steps 10 and 20 end segments there
+    dense = sum(p.numel() for _, p in dense_parameters(workloads.meta_model(cfg)))
+    rows = workloads.click_spec(cfg).rows
+    expected = 72 * 2 * workers * segments
+    for rank in range(workers):  # the workers' records: the samples of each share they computed
+        for record in map(json.loads, (run / f"samples-rank{rank}.jsonl").read_text().splitlines()):
+            if not record["indices"]:
+                continue
+            ids = dataset.ids[torch.tensor(record["indices"])]
+            expected += 8 * dense + 72 * (2 + 4 * servers)
+            for t in range(ids.shape[1]):
+                looked_up = torch.unique(ids[:, t])
+                holders = sum(bool(((looked_up >= low) & (looked_up < high)).any())
+                              for low, high in (table_rows(rows[t], servers, s) for s in range(servers)))
+                expected += len(looked_up) * 2 * (8 + 4 * cfg.model.dim) + 72 * 3 * holders
+    assert sum(row["wire_bytes"] for row in metrics(run)) == expected

@@ -41,6 +41,11 @@ class Kind(IntEnum):
     """worker -> server: forget my waiting PULL (answered RETRY if it was still waiting)."""
     RETURN = 10
     """worker -> dispatcher: I did not start the share (clock, chunk); hand it out again."""
+    ROWS = 11
+    """worker -> server: these `samples` rows of table `bucket` (payload: their ids); the server
+    answers ROWS with the rows (payload)."""
+    GRADS = 12
+    """worker -> server: gradients of `samples` rows of table `bucket` (payloads: ids, then rows)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,12 @@ class Wire:
             nbytes += payload.numel() * payload.element_size()
         if self.counter is not None:
             self.counter.add(nbytes)
+
+    def send_payload(self, dst: int, payload: torch.Tensor) -> None:
+        """A further payload after a message's first (GRADS: the rows after their ids)."""
+        self.pending.append((dist.isend(payload, dst, group=self.payload_group), payload, dst))
+        if self.counter is not None:
+            self.counter.add(payload.numel() * payload.element_size())
 
     def receive_any(self, lookout=None) -> tuple[int, Message] | None:
         """Blocks for the next header from anyone: (sender's rank, message).

@@ -132,8 +132,27 @@ def _balanced(rows: Rows, servers: int) -> list[int]:
     return [rows.offset(i) for i in indices] + [rows.total]
 
 
+def sparse_tables(model: nn.Module) -> list[tuple[str, nn.Embedding]]:
+    """The embedding tables of a model whose tables train sparse (`model.sparse`): the servers
+    hold them row-sharded and workers move only the rows a batch touches; [] for other models."""
+    if not getattr(model, "sparse", False):
+        return []
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Embedding)]
+
+
+def dense_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of everything but the sparse tables: the flat vector's contents."""
+    tables = {id(module.weight) for _, module in sparse_tables(model)}
+    return [(name, p) for name, p in model.named_parameters() if id(p) not in tables]
+
+
+def table_rows(rows: int, servers: int, server: int) -> tuple[int, int]:
+    """The rows [low, high) of a table of `rows` rows that server `server` holds (even ranges)."""
+    return rows * server // servers, rows * (server + 1) // servers
+
+
 def layout_of(model: nn.Module, servers: int) -> Layout:
-    return Layout([tuple(p.shape) for p in model.parameters()], servers)
+    return Layout([tuple(p.shape) for _, p in dense_parameters(model)], servers)
 
 
 def check_ps(cfg, mesh: dict[str, int], meta_model) -> None:
@@ -150,9 +169,10 @@ def check_ps(cfg, mesh: dict[str, int], meta_model) -> None:
         raise UsageError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by workers x "
                          f"grad_accum = {workers} x {accum}; use a multiple of {workers * accum}")
     model = meta_model()
-    if getattr(model, "sparse", False):  # the flat vector would hold whole tables, on an element-wise optimizer
-        raise UsageError(f"--strategy ps does not train {cfg.model.name}'s sparse embedding tables yet (the servers' "
-                         "row-sharded tables are not built); use --strategy ddp, zero1 or fsdp")
+    for name, table in sparse_tables(model):
+        if table.num_embeddings < servers:
+            raise UsageError(f"--ps-servers {servers}: table {name} has {table.num_embeddings} rows, fewer than the "
+                             f"servers that share it; give --ps-servers at most {table.num_embeddings}")
     layout_of(model, servers)
 
 

@@ -9,8 +9,6 @@ model and optimizer state under parameter names, as data parallelism writes them
 reshard to another number of servers or to any other strategy.
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -22,44 +20,13 @@ from gradmesh.engine.base import Job, StepOutcome, lr_factor, peak_memory_bytes
 from gradmesh.engine.ps.segment import Dispatcher, Segment
 from gradmesh.engine.ps.server import Server
 from gradmesh.engine.ps.slots import OptimizerSlots
+from gradmesh.engine.ps.report import Done, Lookout, step_seconds
 from gradmesh.engine.ps.timing import roles_row
+from gradmesh.engine.ps.tables import TableShard, WorkerTables
 from gradmesh.engine.ps.worker import Worker, flat_views
-from gradmesh.parallel.ps import Roles, layout_of
+from gradmesh.parallel.ps import Roles, dense_parameters, layout_of, sparse_tables, table_rows
 from gradmesh.parallel.registry import Plan
 from gradmesh.topology import Topology
-
-
-@dataclass
-class Done:
-    """What a rank did in a segment's point-to-point part, kept for its report (which a regroup
-    may repeat: a role clock and a byte counter are taken once)."""
-
-    segment: Segment
-    log: torch.Tensor | None
-    """The dispatcher's log (`ParameterServerEngine._log_rows`); None elsewhere."""
-    stats: dict | None
-    """A server's staleness figures per step (`Server.stats`)."""
-    clock: torch.Tensor
-    sent: int
-
-
-class Lookout:
-    """A server's view of workers dying under in-place recovery: `lookout()` is true while a
-    death is unseen, `take()` gives the ranks (in the segment's group) of those newly seen."""
-
-    def __init__(self, membership, identities: list[int]):
-        self.membership, self.identities, self.seen = membership, identities, set()
-
-    def _new(self) -> set[int]:
-        return (self.membership.departed & set(self.identities)) - self.seen
-
-    def __call__(self) -> bool:
-        return bool(self._new())
-
-    def take(self) -> list[int]:
-        new = self._new()
-        self.seen |= new
-        return sorted(self.identities.index(identity) for identity in new)
 
 
 class ParameterServerEngine:
@@ -75,18 +42,21 @@ class ParameterServerEngine:
         self.layout = layout_of(model, self.roles.servers)
         is_server = self.roles.is_server(topology.rank)
         topology.role = "server" if is_server else "worker"
-        self.flat, grads = flat_views(model, topology.device, gradients=not is_server)
+        self.dense, self.sparse = dense_parameters(model), sparse_tables(model)
+        self.flat, grads = flat_views([p for _, p in self.dense], topology.device, gradients=not is_server)
         bucket = max(1, int(job.train.bucket_mb * 2**20) // self.flat.element_size())
         servers_group = self._connect(topology)
         self.server = self.worker = self.optimizer = None
         if is_server:
             index = topology.rank - self.roles.workers
+            shards = [TableShard(table, self.roles.servers, index) for _, table in self.sparse]
             self.server = Server(index, self.layout.shard(index), self.layout.buckets(index, bucket), self.flat,
-                                 self.wire, job, self.bound, servers_group)
+                                 self.wire, job, self.bound, servers_group, shards)
             self.optimizer = self.server.optimizer
         else:
-            self.worker = Worker(self.roles, self.layout, model, self.flat, grads, self.wire, job,
-                                 self.bound, bucket, topology.device)
+            tables = WorkerTables(self.sparse, self.roles, self.wire) if self.sparse else None
+            self.worker = Worker(self.roles, self.layout, model, [p for _, p in self.dense], self.flat, grads,
+                                 self.wire, job, self.bound, bucket, topology.device, tables)
         self.positioned = False
 
     def _connect(self, topology: Topology):
@@ -106,6 +76,8 @@ class ParameterServerEngine:
             self.server.wire, self.server.servers_group = self.wire, servers_group
         else:
             self.worker.wire, self.worker.roles = self.wire, self.roles
+            if self.worker.tables:
+                self.worker.tables.wire, self.worker.tables.roles = self.wire, self.roles
 
     def _lookout(self):
         """A server's view of workers dying (in-place recovery): the ranks of those not yet seen."""
@@ -186,7 +158,8 @@ class ParameterServerEngine:
         self._wait(dist.all_reduce(sums, group=group, async_op=True))
         self._wait(dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=group, async_op=True))
         stats[:, :2], stats[:, 2:4] = sums[:-1].view(-1, 2), highs
-        stats[:, 4] = sums[-1] / len(clocks)
+        total, steps = int(sums[-1].item()), len(clocks)  # whole bytes per row, summing to the segment's
+        stats[:, 4] = torch.tensor([total // steps + (i < total % steps) for i in range(steps)], dtype=torch.float64)
         return stats
 
     def _outcomes(self, segment: Segment, log: torch.Tensor, stats: torch.Tensor, roles: dict):
@@ -200,7 +173,7 @@ class ParameterServerEngine:
         for clock, chunk, worker, version, samples, loss in log.tolist():
             if worker == me or (reports_lost and worker not in self.identities):
                 mine[int(clock)].append((int(chunk), int(worker), int(version), int(samples), loss))
-        found, seconds = [], _step_seconds(segment.started, stats[:, 3].tolist())
+        found, seconds = [], step_seconds(segment.started, stats[:, 3].tolist())
         for i, batch in enumerate(segment.batches):
             shares = mine[batch.step]
             own = [s for s in shares if s[1] == me]
@@ -227,10 +200,19 @@ class ParameterServerEngine:
     # -- the whole model: evaluation, checkpoints, final weights ---------------------------------
 
     def refresh(self) -> None:
-        """Collective: every rank's model gets the servers' current parameters."""
+        """Collective: every rank's model gets the servers' current parameters, tables included."""
+        group = self.topology.group("world")
         for s in range(self.roles.servers):
             low, high = self.layout.shard(s)
-            dist.broadcast(self.flat[low:high], src=self.roles.server_rank(s), group=self.topology.group("world"))
+            dist.broadcast(self.flat[low:high], src=self.roles.server_rank(s), group=group)
+        for index, (_, table) in enumerate(self.sparse):
+            with torch.no_grad():
+                if self.server:
+                    shard = self.server.tables.shards[index]
+                    table.weight[shard.low:shard.high] = shard.weight
+                for s in range(self.roles.servers):
+                    low, high = table_rows(table.num_embeddings, self.roles.servers, s)
+                    dist.broadcast(table.weight.data[low:high], src=self.roles.server_rank(s), group=group)
 
     def eval_model(self) -> nn.Module:
         self.refresh()
@@ -247,40 +229,48 @@ class ParameterServerEngine:
         pass
 
     def checkpoint_state(self, for_load: bool = False) -> dict:
-        """Collective: {"model", "optim"} under parameter names, whole tensors, as ddp writes them."""
-        names = [name for name, _ in self.model.named_parameters()]
+        """Collective: {"model", "optim"} under parameter names, whole tensors, as ddp writes them
+        (a sparse table's state as row-wise Adagrad keeps it: "sum" per row and "step")."""
+        names = [name for name, _ in self.dense]
         if for_load:
-            return {"model": get_model_state_dict(self.model), "optim": self.slots.template(self.model)}
+            optim = self.slots.template(self.dense)
+            optim["state"].update({f"{name}.weight": {"sum": torch.zeros(table.num_embeddings), "step": torch.tensor(0.0)}
+                                   for name, table in self.sparse})
+            return {"model": get_model_state_dict(self.model), "optim": optim}
         self.refresh()
         slots = self.slots.gather(self.server.optimizer.state.get(self.server.param, {}) if self.server else None,
                                   self.layout, self.roles, self.wire, self.flat)
-        return {"model": get_model_state_dict(self.model), "optim": self.slots.named(slots, names, self.layout)}
+        optim = self.slots.named(slots, names, self.layout)
+        optim["state"].update(self._table_state())
+        return {"model": get_model_state_dict(self.model), "optim": optim}
+
+    def _table_state(self) -> dict:
+        """Collective: each sparse table's row accumulators and update count, whole, on every rank."""
+        found, group = {}, self.topology.group("world")
+        for index, (name, table) in enumerate(self.sparse):
+            whole, step = torch.zeros(table.num_embeddings), torch.zeros((), dtype=torch.float64)
+            if self.server:
+                shard = self.server.tables.shards[index]
+                whole[shard.low:shard.high] = shard.accumulator
+                step.fill_(float(shard.updates))
+            for s in range(self.roles.servers):
+                low, high = table_rows(table.num_embeddings, self.roles.servers, s)
+                dist.broadcast(whole[low:high], src=self.roles.server_rank(s), group=group)
+            dist.broadcast(step, src=self.roles.server_rank(0), group=group)
+            if step.item():
+                found[f"{name}.weight"] = {"sum": whole, "step": step.float()}
+        return found
 
     def install_checkpoint(self, payload: dict) -> None:
         set_model_state_dict(self.model, payload["model"])
         if self.server:
-            names = [name for name, _ in self.model.named_parameters()]
+            names = [name for name, _ in self.dense]
             state = self.slots.shard_of(payload["optim"]["state"], names, (self.server.low, self.server.high))
             if state:
                 self.server.optimizer.state[self.server.param] = state
-
-
-def _step_seconds(started: float, applied: list[float]) -> list[float]:
-    """Each step's share of the segment's time, from when each was applied (in order of steps).
-
-    A step applied before an earlier one (async and ssp let later steps finish first) took no
-    time of its own: it shares the time of the step that finished last before it (or, at the
-    start, the next one's), so no step reports zero seconds and the sum is the segment's time."""
-    groups: list[list] = []  # [seconds, steps]
-    latest = started
-    for moment in applied:
-        gained = moment - latest
-        if gained > 0 or not groups:
-            groups.append([max(gained, 0.0), 1])
-        else:
-            groups[-1][1] += 1
-        latest = max(latest, moment)
-    if len(groups) > 1 and groups[0][0] == 0:  # steps done at the very start share the next one's time
-        seconds, steps = groups.pop(0)
-        groups[0][1] += steps
-    return [max(seconds / steps, 1e-9) for seconds, steps in groups for _ in range(steps)]
+            for shard, (name, table) in zip(self.server.tables.shards, self.sparse):
+                shard.weight.copy_(table.weight.detach()[shard.low:shard.high])
+                saved = payload["optim"]["state"].get(f"{name}.weight", {})
+                if "sum" in saved:
+                    shard.accumulator.copy_(saved["sum"][shard.low:shard.high])
+                    shard.updates = int(saved["step"].item())

@@ -68,6 +68,8 @@ class Dispatcher:
         self.committed: set[tuple[int, int]] = set()
         self.since: dict[tuple[int, int], float] = {}
         """When each held share was handed out (time.monotonic)."""
+        self.hung: set[int] = set()
+        """Workers found holding a share too long (their loss is on its way)."""
 
     def _mine(self, worker: int, task: tuple[int, int]) -> bool:
         return not self.static or task[1] == worker or task[1] in self.orphaned
@@ -117,7 +119,7 @@ class Dispatcher:
             return []
         earliest, now = min([task[0] for task, _ in held] + [task[0] for task in self.queue]), time.monotonic()
         return [(worker, task) for task, worker in sorted(held)
-                if task[0] == earliest and now - self.since[task] > seconds]
+                if task[0] == earliest and now - self.since[task] > seconds and worker not in self.hung]
 
     def earlier_than(self, worker: int, clock: int) -> bool:
         """A share of an earlier step is waiting that this worker may take."""

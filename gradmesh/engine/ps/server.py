@@ -26,13 +26,15 @@ import torch.nn as nn
 from gradmesh.comm.ps_wire import Kind, Message, Wire
 from gradmesh.engine.base import lr_factor
 from gradmesh.engine.ps.segment import Dispatcher, Segment
+from gradmesh.engine.ps.tables import ServerTables
 from gradmesh.engine.ps.timing import RoleClock
 
 
 class Server:
     def __init__(self, index: int, shard: tuple[int, int], buckets: list[tuple[int, int]], flat: torch.Tensor,
-                 wire: Wire, job, bound: int | None, servers_group):
+                 wire: Wire, job, bound: int | None, servers_group, tables: list | None = None):
         self.index, self.wire, self.job, self.bound = index, wire, job, bound
+        self.tables = ServerTables(tables or [], job.optimizer_kwargs.get("table_lr", job.optimizer_kwargs["lr"]))
         self.low, self.high = shard
         self.buckets, self.servers_group = buckets, servers_group
         self.param = nn.Parameter(flat[self.low:self.high])  # a view: the mirror model sees every update
@@ -52,7 +54,8 @@ class Server:
     def state_bytes(self) -> int:
         slots = sum(v.numel() * v.element_size() for v in self.optimizer.state.get(self.param, {}).values()
                     if isinstance(v, torch.Tensor))
-        return self.param.numel() * self.param.element_size() * (2 + len(self.spare) + len(self.receiving)) + slots
+        held = self.param.numel() * self.param.element_size() * (2 + len(self.spare) + len(self.receiving))
+        return held + slots + self.tables.state_bytes()
 
     # -- a segment -------------------------------------------------------------------------------
 
@@ -64,6 +67,23 @@ class Server:
         workers die, whose shares go to the others."""
         self.segment, self.dispatcher, self.probe = segment, dispatcher, probe
         self.identities, self.workers = identities, segment.workers
+        self._begin(segment)
+        timed = dispatcher is not None and self.job.step_timeout > 0
+        overdue = (lambda: self.dispatcher.overdue(self.job.step_timeout)) if timed else list
+        wake = (lambda: (lookout is not None and lookout()) or bool(overdue())) if lookout or timed else None
+        while not self._served():
+            with self.clock.phase("idle"):
+                got = self.wire.receive_any(wake)
+            if got is not None:
+                self.handle(*got)
+            for worker in (lookout.take() if lookout else []) + sorted(self.failed):
+                self.lose(worker)
+            self.failed = set()
+            self._stop_hung(overdue())
+        self._end()
+
+    def _begin(self, segment: Segment) -> None:
+        """A segment's bookkeeping, fresh."""
         self.done: dict[int, dict[int, torch.Tensor]] = {}
         self.pulled: dict[int, list[int]] = {}
         self.waiting: list[tuple[int, int, int]] = []  # (worker, clock, least version)
@@ -74,26 +94,16 @@ class Server:
         self.told_done: set[int] = set()
         self.lost: set[int] = set()
         self.broken: set[int] = set()
-        self.hung: set[int] = set()
         self.applied = 0
         self.frontier = segment.first  # every step before it wholly applied (a segment starts with none in flight)
         self.left = {clock: len(segment.chunks[clock]) for clock in segment.clocks}
         self.stats = {clock: [0.0, 0.0, 0.0, segment.started] for clock in segment.clocks}
-        timed = dispatcher is not None and self.job.step_timeout > 0
-        wake = (lambda: (lookout is not None and lookout()) or bool(self._overdue())) if lookout or timed else None
-        while not self._served():
-            with self.clock.phase("idle"):
-                got = self.wire.receive_any(wake)
-            if got is not None:
-                self.handle(*got)
-            for worker in (lookout.take() if lookout else []) + sorted(self.failed):
-                self.lose(worker)
-            self.failed = set()
-            if timed:
-                self._stop_hung(self._overdue())
+
+    def _end(self) -> None:
         with self.clock.phase("send"):
             self.wire.settle(tolerant=True)
         for worker in self.lost | self.broken:
+            self.tables.take(worker)
             if worker in self.receiving:
                 self.spare.append(self.receiving.pop(worker))
 
@@ -115,6 +125,8 @@ class Server:
                 except RuntimeError:  # its worker died before sending it
                     self.broken.add(source)
                     self.failed.add(source)
+        elif kind in (Kind.ROWS, Kind.GRADS):
+            self.table_message(source, message)
         elif kind == Kind.COMMIT:
             self.commit(source, message)
         elif kind == Kind.PULL:
@@ -133,17 +145,20 @@ class Server:
         else:
             raise RuntimeError(f"parameter server {self.index}: unexpected {kind.name} from rank {source}")
 
-    def _overdue(self) -> list[tuple[int, tuple[int, int]]]:
-        if self.dispatcher is None or not self.job.step_timeout:
-            return []
-        return [(w, task) for w, task in self.dispatcher.overdue(self.job.step_timeout) if w not in self.hung]
+    def table_message(self, source: int, message: Message) -> None:
+        with self.clock.phase("receive"):
+            try:
+                self.tables.message(self.wire, source, message)
+            except RuntimeError:  # its worker died before sending it
+                self.broken.add(source)
+                self.failed.add(source)
 
     def _stop_hung(self, overdue: list[tuple[int, tuple[int, int]]]) -> None:
         """Dispatcher, --step-timeout: a worker holding a share that long without committing it
         hangs. Under in-place recovery the launcher stops it and the others take its shares;
         otherwise the job ends here (or restarts, under --recovery restart) rather than wait."""
         for worker, (clock, _) in overdue:
-            self.hung.add(worker)
+            self.dispatcher.hung.add(worker)
             what = (f"parameter server: worker rank {worker} has held a share of step {clock} for more than "
                     f"--step-timeout {self.job.step_timeout:g} s without committing it")
             if self.job.membership is None:
@@ -198,6 +213,7 @@ class Server:
 
     def commit(self, worker: int, message: Message) -> None:
         gradient = self.receiving.pop(worker)
+        rows = self.tables.take(worker)
         clock, task = message.clock, (message.clock, message.chunk)
         counted = task not in self.accepted  # a share redone after its worker died counts once
         if self.dispatcher:
@@ -210,10 +226,11 @@ class Server:
         if self.dispatcher:
             self.log[task] = (worker, message.oldest, message.samples, message.loss)
         if self.additive:
-            self.apply_share(gradient, message)
+            self.apply_share(gradient, rows, message)
             self.spare.append(gradient)
         else:
             self.done.setdefault(clock, {})[message.chunk] = gradient
+            self.tables.stash(clock, message.chunk, rows)
             self.pulled.setdefault(clock, []).append(message.version)
             self.apply_ready_steps()
         self.answer_pulls()
@@ -226,18 +243,20 @@ class Server:
             for chunk in sorted(shares)[1:]:  # share order, whatever the arrival order
                 total.add_(shares[chunk])
             self.step(total, clock, self._global_norm(total), 1.0)
+            self.tables.apply(self.tables.step_parts(clock), lr_factor(clock, self.job.train))
             for version in self.pulled.pop(clock):
                 self.record(clock, clock - version)
             self.applied += len(shares)
             self._advance(clock, len(shares))
             self.spare.extend(shares.values())
 
-    def apply_share(self, gradient: torch.Tensor, message: Message) -> None:
+    def apply_share(self, gradient: torch.Tensor, rows: list, message: Message) -> None:
         batch = self.segment.batch(message.clock).size
         scale = batch / message.samples  # the share's own mean gradient
         gradient.mul_(scale)
         staleness = self.version - message.version if self.bound is None else message.clock - message.version
         self.step(gradient, message.clock, math.sqrt(message.norm_sq) * scale, message.samples / batch)
+        self.tables.apply(rows, lr_factor(message.clock, self.job.train) * message.samples / batch, scale)
         self.record(message.clock, staleness)
         self.applied += 1
         self._advance(message.clock, 1)

@@ -23,11 +23,11 @@ class OptimizerSlots:
         self.elementwise = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == probe.shape]
         self.scalars = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape != probe.shape}
 
-    def template(self, model: nn.Module) -> dict:
-        """Zeros shaped as the state to be loaded (DCP loads into given tensors)."""
+    def template(self, named: list[tuple[str, nn.Parameter]]) -> dict:
+        """Zeros shaped as the state of these parameters to be loaded (DCP loads into given tensors)."""
         return {"state": {name: {**{k: torch.zeros_like(p) for k in self.elementwise},
                                  **{k: torch.zeros_like(v) for k, v in self.scalars.items()}}
-                          for name, p in model.named_parameters()}}
+                          for name, p in named}}
 
     def gather(self, server_state: dict | None, layout: Layout, roles: Roles, wire, flat: torch.Tensor) -> dict:
         """Collective: every slot of the whole flat vector, on every rank ({} before the first update)."""

@@ -21,9 +21,8 @@ from gradmesh.engine.ps.timing import RoleClock
 from gradmesh.parallel.ps import Layout, Roles
 
 
-def flat_views(model: nn.Module, device: torch.device, gradients: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(parameters, gradients): flat buffers the model's parameters (and gradients) now view."""
-    params = list(model.parameters())
+def flat_views(params: list[nn.Parameter], device: torch.device, gradients: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(parameters, gradients): flat buffers the parameters (and gradients) now view."""
     flat = torch.cat([p.detach().reshape(-1) for p in params]).to(device)
     grads = torch.zeros_like(flat) if gradients else None
     offset = 0
@@ -37,8 +36,8 @@ def flat_views(model: nn.Module, device: torch.device, gradients: bool = True) -
 
 
 class Worker:
-    def __init__(self, roles: Roles, layout: Layout, model: nn.Module, flat, grads, wire: Wire, job,
-                 bound: int | None, bucket_elements: int, device: torch.device):
+    def __init__(self, roles: Roles, layout: Layout, model: nn.Module, params: list[nn.Parameter], flat, grads,
+                 wire: Wire, job, bound: int | None, bucket_elements: int, device: torch.device, tables=None):
         self.roles, self.layout, self.model = roles, layout, model
         self.flat, self.grads, self.wire, self.job, self.bound, self.device = flat, grads, wire, job, bound, device
         self.buckets = [(s, k, low, high) for s in range(roles.servers)
@@ -54,8 +53,10 @@ class Worker:
         self.pushing, self.task = False, (0, 0, 0)
         self.compute_s = 0.0
         self.clock = RoleClock("worker")
-        for index, p in enumerate(model.parameters()):
+        for index, p in enumerate(params):  # the flat vector's; sparse tables push their rows after backward
             p.register_post_accumulate_grad_hook(lambda p, index=index: self._produced(index))
+        self.tables = tables
+        """`gradmesh.engine.ps.tables.WorkerTables`, or None."""
 
     def run(self, segment: Segment, probe) -> None:
         """Take shares until the dispatcher says every share of the segment is committed."""
@@ -118,6 +119,8 @@ class Worker:
         with self.clock.phase("compute"):  # an injected straggler shows as slow compute...
             probe.straggle(self.compute_s)
         loss_sum, started = 0.0, time.perf_counter()  # ...but its delay is not part of its own time
+        if self.tables:
+            self.tables.active = True
         for i, part in enumerate(micro):
             with self.clock.phase("data"):
                 data = to_device(fetch(self.job.dataset, part), self.device)
@@ -127,14 +130,23 @@ class Worker:
                 (losses.sum() / batch_size).backward()
                 loss_sum += losses.detach().sum().item()
         self.pushing = False
+        if self.tables:
+            self.tables.active = False
         self.compute_s = time.perf_counter() - started
         for b in range(len(self.buckets)):  # parameters that got no gradient (unused this step) still push zeros
             if self.missing[b] > 0:
                 self.missing[b] = 0
                 self._push(b)
+        if self.tables:
+            with self.clock.phase("push"):
+                self.tables.push()
+        self._commit(task, len(indices), loss_sum)
+        return loss_sum
+
+    def _commit(self, task: tuple[int, int, list[int]], samples: int, loss_sum: float) -> None:
         norm_sq = self.grads.double().pow(2).sum().item()
         clock, chunk, versions = task
-        commits = [Message(Kind.COMMIT, clock=clock, chunk=chunk, version=version, samples=len(indices),
+        commits = [Message(Kind.COMMIT, clock=clock, chunk=chunk, version=version, samples=samples,
                            oldest=min(versions), loss=loss_sum, norm_sq=norm_sq) for version in versions]
         for s in range(1, self.roles.servers):
             self.wire.send(self.roles.server_rank(s), commits[s])
@@ -144,7 +156,6 @@ class Worker:
             with self.clock.phase("push"):
                 self.wire.settle()
         self.wire.send(self.roles.dispatcher, commits[0])
-        return loss_sum
 
     def _produced(self, index: int) -> None:
         if not self.pushing:
