@@ -41,8 +41,9 @@ def test_degree_not_dividing_the_heads_is_refused(cli, tmp_path):
 
 
 @SLOW
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-@pytest.mark.parametrize("mesh", ["dp=2,tp=2", "fsdp=2,tp=2"])
+# sgd on both meshes (a wrong gradient scale shows under sgd, not adamw); adamw on fsdp=2,tp=2,
+# whose run the resharding test below resumes anyway.
+@pytest.mark.parametrize("mesh, optimizer", [("dp=2,tp=2", "sgd"), ("fsdp=2,tp=2", "sgd"), ("fsdp=2,tp=2", "adamw")])
 def test_two_dimensional_meshes_match_single_process(reference, catalogue, mesh, optimizer):
     assert rel_l2(weights(wide_run(catalogue, 4, optimizer, "--mesh", mesh)), reference[optimizer]) <= 1e-5
 

@@ -242,8 +242,9 @@ class Server:
             total = shares[min(shares)]
             for chunk in sorted(shares)[1:]:  # share order, whatever the arrival order
                 total.add_(shares[chunk])
-            self.step(total, clock, self._global_norm(total), 1.0)
-            self.tables.apply(self.tables.step_parts(clock), lr_factor(clock, self.job.train))
+            rows = self.tables.summed(self.tables.step_parts(clock))
+            clipped = self.step(total, clock, self._global_norm(total, self.tables.norm_sq(rows)), 1.0)
+            self.tables.apply(rows, lr_factor(clock, self.job.train), clipped)
             for version in self.pulled.pop(clock):
                 self.record(clock, clock - version)
             self.applied += len(shares)
@@ -255,8 +256,9 @@ class Server:
         scale = batch / message.samples  # the share's own mean gradient
         gradient.mul_(scale)
         staleness = self.version - message.version if self.bound is None else message.clock - message.version
-        self.step(gradient, message.clock, math.sqrt(message.norm_sq) * scale, message.samples / batch)
-        self.tables.apply(rows, lr_factor(message.clock, self.job.train) * message.samples / batch, scale)
+        clipped = self.step(gradient, message.clock, math.sqrt(message.norm_sq) * scale, message.samples / batch)
+        self.tables.apply(self.tables.summed(rows), lr_factor(message.clock, self.job.train) * message.samples / batch,
+                          scale * clipped)
         self.record(message.clock, staleness)
         self.applied += 1
         self._advance(message.clock, 1)
@@ -266,20 +268,22 @@ class Server:
         while self.left.get(self.frontier, 1) == 0:
             self.frontier += 1
 
-    def _global_norm(self, gradient: torch.Tensor) -> float:
-        """The norm of the whole model's gradient: every server's part of it summed."""
+    def _global_norm(self, gradient: torch.Tensor, tables_sq: float = 0.0) -> float:
+        """The norm of the whole model's gradient (dense part and table rows): every server's part summed."""
         if not self.job.train.grad_clip:
             return 0.0
-        squares = gradient.double().pow(2).sum().reshape(1).cpu()
+        squares = (gradient.double().pow(2).sum() + tables_sq).reshape(1).cpu()
         if dist.get_world_size(self.servers_group) > 1:
             dist.all_reduce(squares, group=self.servers_group)
         return math.sqrt(squares.item())
 
-    def step(self, gradient: torch.Tensor, clock: int, norm: float, lr_share: float) -> None:
+    def step(self, gradient: torch.Tensor, clock: int, norm: float, lr_share: float) -> float:
+        """One optimizer step of the dense shard; the factor the gradient was clipped by."""
         self.probe.reached(clock)
-        max_norm = self.job.train.grad_clip
+        max_norm, clipped = self.job.train.grad_clip, 1.0
         if max_norm:
-            gradient.mul_(min(1.0, max_norm / (norm + 1e-6)))
+            clipped = min(1.0, max_norm / (norm + 1e-6))
+            gradient.mul_(clipped)
         with self.clock.phase("send"):  # parameters being sent are not changed under the send
             self.failed |= self.wire.settle(tolerant=True)  # a send to a worker that died fails
         with self.clock.phase("apply"):
@@ -289,6 +293,7 @@ class Server:
             self.param.grad = None
         self.version += 1
         self.clock.updates += 1
+        return clipped
 
     def record(self, clock: int, staleness: int) -> None:
         entry = self.stats[clock]

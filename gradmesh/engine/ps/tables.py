@@ -35,13 +35,11 @@ class TableShard:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight[ids - self.low].contiguous()
 
-    def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
-        """Sum the gradients of repeated ids, then one row-wise Adagrad update of those rows."""
-        rows, where = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros(len(rows), grads.shape[1], dtype=grads.dtype, device=grads.device).index_add_(0, where, grads)
+    def apply(self, rows: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        """One row-wise Adagrad update of these distinct rows."""
         local = rows - self.low
         weight, accumulator = self.weight[local], self.accumulator[local]
-        rowwise_adagrad(weight, summed, accumulator, lr)
+        rowwise_adagrad(weight, grads, accumulator, lr)
         self.weight[local], self.accumulator[local] = weight, accumulator
         self.updates += 1
 
@@ -83,15 +81,28 @@ class ServerTables:
         parts = self.done.pop(clock, {})
         return [part for chunk in sorted(parts) for part in parts[chunk]]
 
-    def apply(self, parts: list, lr_factor: float, scale: float = 1.0) -> None:
-        """Each table's pushed rows, summed per row, by row-wise Adagrad at lr x lr_factor
-        (gradient clipping covers the dense part only)."""
+    def summed(self, parts: list) -> list[tuple[TableShard, torch.Tensor, torch.Tensor]]:
+        """Per table: the distinct rows pushed and their gradients summed (what one process's
+        dense table gradient holds in those rows)."""
+        found = []
         for index, shard in enumerate(self.shards):
             mine = [(ids, grads) for table, ids, grads in parts if table == index]
             if mine:
+                rows, where = torch.unique(torch.cat([i for i, _ in mine]), return_inverse=True)
                 grads = torch.cat([g for _, g in mine])
-                shard.apply(torch.cat([i for i, _ in mine]), grads.mul_(scale) if scale != 1.0 else grads,
-                            self.lr * lr_factor)
+                total = torch.zeros(len(rows), grads.shape[1], dtype=grads.dtype, device=grads.device)
+                found.append((shard, rows, total.index_add_(0, where, grads)))
+        return found
+
+    @staticmethod
+    def norm_sq(summed: list) -> float:
+        return sum(float(grads.double().pow(2).sum()) for _, _, grads in summed)
+
+    def apply(self, summed: list, lr_factor: float, scale: float = 1.0) -> None:
+        """Row-wise Adagrad on each table's rows at lr x lr_factor, the gradients times `scale`
+        (a share's mean, a clipping factor)."""
+        for shard, rows, grads in summed:
+            shard.apply(rows, grads.mul_(scale) if scale != 1.0 else grads, self.lr * lr_factor)
 
 
 def payload_of(wire, source: int, count: int, dim: int, device, dtype=torch.float32) -> torch.Tensor:
@@ -138,16 +149,20 @@ class WorkerTables:
             with torch.no_grad():
                 weight[mine] = payload_of(self.wire, server, len(mine), weight.shape[1], weight.device, weight.dtype)
 
-    def push(self) -> None:
-        """Each table's gradient rows to the servers holding them (before the share's commit)."""
+    def push(self) -> float:
+        """Each table's gradient rows to the servers holding them (before the share's commit);
+        their sum of squares (for the global gradient norm)."""
+        squares = 0.0
         for index, module in enumerate(self.tables):
             grad = module.weight.grad
             if grad is None:
                 continue
             grad = grad.coalesce()
             ids, values = grad.indices()[0], grad.values()
+            squares += float(values.double().pow(2).sum())
             for s, mine in self._owners(index, ids):
                 keep = torch.isin(ids, mine)
                 self.wire.send(self.roles.server_rank(s), Message(Kind.GRADS, bucket=index, samples=len(mine)), mine)
                 self.wire.send_payload(self.roles.server_rank(s), values[keep].contiguous())
             module.weight.grad = None
+        return squares

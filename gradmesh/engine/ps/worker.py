@@ -137,14 +137,15 @@ class Worker:
             if self.missing[b] > 0:
                 self.missing[b] = 0
                 self._push(b)
+        tables_sq = 0.0
         if self.tables:
             with self.clock.phase("push"):
-                self.tables.push()
-        self._commit(task, len(indices), loss_sum)
+                tables_sq = self.tables.push()
+        self._commit(task, len(indices), loss_sum, tables_sq)
         return loss_sum
 
-    def _commit(self, task: tuple[int, int, list[int]], samples: int, loss_sum: float) -> None:
-        norm_sq = self.grads.double().pow(2).sum().item()
+    def _commit(self, task: tuple[int, int, list[int]], samples: int, loss_sum: float, tables_sq: float) -> None:
+        norm_sq = self.grads.double().pow(2).sum().item() + tables_sq
         clock, chunk, versions = task
         commits = [Message(Kind.COMMIT, clock=clock, chunk=chunk, version=version, samples=samples,
                            oldest=min(versions), loss=loss_sum, norm_sq=norm_sq) for version in versions]
