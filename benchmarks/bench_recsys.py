@@ -1,4 +1,4 @@
-"""Benchmark: the recsys workload by data parallelism at 10^5, 10^6 and 10^7 table rows.
+"""Benchmark: the recsys workload by data parallelism and by parameter servers at 10^5, 10^6 and 10^7 table rows.
 
     .venv/bin/python benchmarks/bench_recsys.py      # prints a table, writes benchmarks/results/recsys.json
 
@@ -8,7 +8,8 @@ rows the batch touched. Per size: samples/s (median step time after the first `-
 steps), the bytes each rank sends per step (what the reducer all-reduces, times the ring's
 2(n-1)/n, beside the formula 2(n-1)/n x 4P), the rows a step actually touches (what a
 parameter server would move instead), and each rank's peak memory beside the tables' bytes.
-The parameter-server and hybrid columns of issue 15 come with its sparse path.
+The same for ps sync, 1 server + 2 workers (`--strategy ps`, the tables row-sharded on the
+server): bytes are what every rank sent per step (the `wire_bytes` column of metrics.jsonl).
 """
 
 import argparse
@@ -47,16 +48,19 @@ def params(rows: int) -> int:
     return sum(p.numel() for p in workloads.meta_model(cfg).parameters())
 
 
-def measure(rows: int, args) -> dict:
-    found = train(2, args.steps, BATCH, "--model", "recsys", "--set", f"model.rows={rows}", "--set",
-                  "model.samples=200000", "--strategy", "ddp")
+def measure(rows: int, strategy: str, args) -> dict:
+    nproc = 3 if strategy == "ps" else 2
+    found = train(nproc, args.steps, BATCH, "--model", "recsys", "--set", f"model.rows={rows}", "--set",
+                  "model.samples=200000", "--strategy", strategy)
     steady = found[args.warmup:]
     step_s = statistics.median(r["step_time_s"] for r in steady)
     ring = 2 * (2 - 1) / 2
-    return {"rows": rows, "samples_per_s": BATCH / step_s, "step_s": step_s,
-            "sent_bytes": statistics.median(r["breakdown"]["comm_bytes"][0] for r in steady) * ring,
+    sent = (statistics.median(r["wire_bytes"] for r in steady) if strategy == "ps"
+            else statistics.median(r["breakdown"]["comm_bytes"][0] for r in steady) * ring)
+    return {"rows": rows, "strategy": strategy, "samples_per_s": BATCH / step_s, "step_s": step_s, "sent_bytes": sent,
             "formula_bytes": ring * 4 * params(rows), "table_bytes": 4 * rows * DIM,
-            "peak_bytes": max(max(r["peak_memory_bytes"]) for r in steady), "touched_rows": touched_rows(rows)}
+            "peak_bytes": [max(r["peak_memory_bytes"][i] for r in steady) for i in range(nproc)],
+            "touched_rows": touched_rows(rows)}
 
 
 def main() -> None:
@@ -64,15 +68,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
-    result = [measure(rows, args) for rows in SIZES]
-    table = Table(title="recsys, ddp on 2 ranks (dense table gradients), global batch 512")
-    for column in ("table rows", "samples/s", "sent per rank/step", "formula 2(n-1)/n x 4P",
-                   "rows touched/step", "sparse push (touched x dim x 4)", "peak memory/rank", "tables"):
+    result = [measure(rows, strategy, args) for rows in SIZES for strategy in ("ddp", "ps")]
+    table = Table(title="recsys, ddp on 2 ranks (dense table gradients) and ps sync (1 server + 2 workers), batch 512")
+    for column in ("table rows", "strategy", "samples/s", "vs ddp", "bytes/step", "ddp formula 2(n-1)/n x 4P",
+                   "rows touched/step", "peak memory/rank", "tables"):
         table.add_column(column, justify="right")
     for row in result:
-        table.add_row(f"{row['rows']:,}", f"{row['samples_per_s']:,.0f}", f"{row['sent_bytes'] / 1e6:,.1f} MB",
+        ddp = next(r for r in result if r["rows"] == row["rows"] and r["strategy"] == "ddp")
+        table.add_row(f"{row['rows']:,}", row["strategy"], f"{row['samples_per_s']:,.0f}",
+                      f"{row['samples_per_s'] / ddp['samples_per_s']:.1f}x", f"{row['sent_bytes'] / 1e6:,.2f} MB",
                       f"{row['formula_bytes'] / 1e6:,.1f} MB", f"{row['touched_rows']:,.0f}",
-                      f"{row['touched_rows'] * DIM * 4 / 1e6:.2f} MB", f"{row['peak_bytes'] / 2**20:,.0f} MiB",
+                      ", ".join(f"{b / 2**20:,.0f}" for b in row["peak_bytes"]) + " MiB",
                       f"{row['table_bytes'] / 2**20:,.0f} MiB")
     Console().print(table)
     (HERE / "results").mkdir(exist_ok=True)
