@@ -118,7 +118,9 @@ class Server:
             return  # what a dead worker sent after a payload it never finished: incomplete
         if kind == Kind.PUSH:
             low, high = self.buckets[message.bucket]
-            buffer = self.receiving.setdefault(source, self._buffer())
+            if source not in self.receiving:  # a spare buffer, taken only when a share starts
+                self.receiving[source] = self.spare.pop() if self.spare else torch.empty_like(self.param.detach())
+            buffer = self.receiving[source]
             with self.clock.phase("receive"):
                 try:
                     self.wire.payload_from(source, buffer[low - self.low:high - self.low]).wait()
@@ -191,9 +193,6 @@ class Server:
             self.parked = [w for w in self.parked if w != worker]
             self.serve_parked()
             self.answer_pulls()
-
-    def _buffer(self) -> torch.Tensor:
-        return self.spare.pop() if self.spare else torch.empty_like(self.param.detach())
 
     def answer_pulls(self) -> None:
         still = []
@@ -297,7 +296,4 @@ class Server:
 
     def record(self, clock: int, staleness: int) -> None:
         entry = self.stats[clock]
-        entry[0] += staleness
-        entry[1] += 1
-        entry[2] = max(entry[2], staleness)
-        entry[3] = time.time()
+        entry[:] = entry[0] + staleness, entry[1] + 1, max(entry[2], staleness), time.time()
