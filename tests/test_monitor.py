@@ -37,7 +37,9 @@ def test_breakdown_covers_the_step_and_finds_the_injected_delay(straggler_run):
     # the gradient all-reduce: rank 1's extra forward time reappears as rank 0's communication wait.
     extra = statistics.median(row["breakdown"]["forward"][1] - row["breakdown"]["forward"][0] for row in rows)
     waited = statistics.median(row["breakdown"]["comm"][0] - row["breakdown"]["comm"][1] for row in rows)
-    assert extra > 0 and abs(waited - extra) <= 0.35 * extra, (extra, waited)
+    # ±50%: the extra is ~9 ms a step on 2 shared cores while the fixture scrapes Prometheus;
+    # ±35% failed once in a clean CI run (waited 5.9 ms for 9.3 ms). Neither no wait nor double passes.
+    assert extra > 0 and abs(waited - extra) <= 0.5 * extra, (extra, waited)
     # Bytes: one all-reduce of every float32 gradient per step (no accumulation), the formula.
     params = sum(t.numel() for t in weights(run_dir).values())
     assert all(row["breakdown"]["comm_bytes"] == [4.0 * params] * 2 for row in rows)
