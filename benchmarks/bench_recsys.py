@@ -9,7 +9,9 @@ steps), the bytes each rank sends per step (what the reducer all-reduces, times 
 2(n-1)/n, beside the formula 2(n-1)/n x 4P), the rows a step actually touches (what a
 parameter server would move instead), and each rank's peak memory beside the tables' bytes.
 The same for ps sync, 1 server + 2 workers (`--strategy ps`, the tables row-sharded on the
-server): bytes are what every rank sent per step (the `wire_bytes` column of metrics.jsonl).
+server), and hybrid sync, 1 server + 2 workers (`--strategy hybrid`: the tables on the server,
+the dense layers all-reduced between the workers): bytes are what every rank sent per step (the
+`wire_bytes` column of metrics.jsonl; hybrid's all-reduce counted as the buffer handed to it).
 """
 
 import argparse
@@ -49,13 +51,13 @@ def params(rows: int) -> int:
 
 
 def measure(rows: int, strategy: str, args) -> dict:
-    nproc = 3 if strategy == "ps" else 2
+    nproc = 2 if strategy == "ddp" else 3
     found = train(nproc, args.steps, BATCH, "--model", "recsys", "--set", f"model.rows={rows}", "--set",
                   "model.samples=200000", "--strategy", strategy)
     steady = found[args.warmup:]
     step_s = statistics.median(r["step_time_s"] for r in steady)
     ring = 2 * (2 - 1) / 2
-    sent = (statistics.median(r["wire_bytes"] for r in steady) if strategy == "ps"
+    sent = (statistics.median(r["wire_bytes"] for r in steady) if strategy != "ddp"
             else statistics.median(r["breakdown"]["comm_bytes"][0] for r in steady) * ring)
     return {"rows": rows, "strategy": strategy, "samples_per_s": BATCH / step_s, "step_s": step_s, "sent_bytes": sent,
             "formula_bytes": ring * 4 * params(rows), "table_bytes": 4 * rows * DIM,
@@ -67,9 +69,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="total table rows (default 10^5 10^6 10^7)")
     args = parser.parse_args()
-    result = [measure(rows, strategy, args) for rows in SIZES for strategy in ("ddp", "ps")]
-    table = Table(title="recsys, ddp on 2 ranks (dense table gradients) and ps sync (1 server + 2 workers), batch 512")
+    result = [measure(rows, strategy, args) for rows in args.sizes for strategy in ("ddp", "ps", "hybrid")]
+    table = Table(title="recsys, ddp on 2 ranks (dense table gradients), ps and hybrid sync (1 server + 2 workers), "
+                        "batch 512")
     for column in ("table rows", "strategy", "samples/s", "vs ddp", "bytes/step", "ddp formula 2(n-1)/n x 4P",
                    "rows touched/step", "peak memory/rank", "tables"):
         table.add_column(column, justify="right")

@@ -116,15 +116,21 @@ def test_the_wire_carries_only_the_rows_a_share_looks_up(catalogue):
     headers: take and task, a pull and an answer, a bucket push and a commit per server, and
     per table and server holding any of the ids, a row request, its answer and a push; and per
     worker and segment, the last take and its done."""
+    run = catalogue.run(4, *PARITY, "--strategy", "ps", "--ps-servers", "2", "--record-samples", tiny=False)
+    assert sum(row["wire_bytes"] for row in metrics(run)) == wire_formula(run, 2, 2, dense_bytes=8, headers=2 + 4 * 2)
+
+
+def wire_formula(run, servers: int, workers: int, dense_bytes: int, headers: int) -> int:
+    """The bytes of a sparse-table run from its sample records: per share, `dense_bytes` per dense
+    parameter and `headers` 72-byte headers, plus the tables' rows and their headers."""
     from gradmesh import workloads
     from gradmesh.config import build
     from gradmesh.data import clicks
     from gradmesh.parallel.ps import dense_parameters, table_rows
 
-    run = catalogue.run(4, *PARITY, "--strategy", "ps", "--ps-servers", "2", "--record-samples", tiny=False)
     cfg = build([{"model": {"name": "recsys", "rows": 4000, "samples": 20000}}])
     dataset, _ = clicks.generate(workloads.click_spec(cfg))
-    servers, workers, segments = 2, 2, 2  # checkpoints at steps 10 and 20 end segments there
+    segments = 2  # checkpoints at steps 10 and 20 end segments there
     dense = sum(p.numel() for _, p in dense_parameters(workloads.meta_model(cfg)))
     rows = workloads.click_spec(cfg).rows
     expected = 72 * 2 * workers * segments
@@ -133,10 +139,34 @@ def test_the_wire_carries_only_the_rows_a_share_looks_up(catalogue):
             if not record["indices"]:
                 continue
             ids = dataset.ids[torch.tensor(record["indices"])]
-            expected += 8 * dense + 72 * (2 + 4 * servers)
+            expected += dense_bytes * dense + 72 * headers
             for t in range(ids.shape[1]):
                 looked_up = torch.unique(ids[:, t])
                 holders = sum(bool(((looked_up >= low) & (looked_up < high)).any())
                               for low, high in (table_rows(rows[t], servers, s) for s in range(servers)))
                 expected += len(looked_up) * 2 * (8 + 4 * cfg.model.dim) + 72 * 3 * holders
-    assert sum(row["wire_bytes"] for row in metrics(run)) == expected
+    return expected
+
+
+HYBRID = (*PARITY, "--strategy", "hybrid", "--ps-servers", "1", "--record-samples")
+
+
+def test_hybrid_keeps_tables_on_servers_and_all_reduces_the_dense_part_exactly(catalogue):
+    """2 workers and 1 server, sync: the tables' rows move as under ps, the dense part is
+    all-reduced among the workers (clipping by the global norm binds, so each worker needs the
+    tables' part from the servers); the model after 20 steps is the one process's."""
+    run = catalogue.run(3, *HYBRID, tiny=False)
+    assert rel_l2(weights(run), weights(catalogue.run(1, *PARITY, tiny=False))) <= 1e-5
+    assert summary(run)["strategy"] == "hybrid"
+    # Per share: the dense gradient handed to the workers' all-reduce (4 bytes per parameter),
+    # take and task, a pull and its answer and a commit (no dense payload to or from the server).
+    assert sum(row["wire_bytes"] for row in metrics(run)) == wire_formula(run, 1, 2, dense_bytes=4, headers=2 + 3)
+
+
+def test_a_hybrid_checkpoint_resumes_under_data_parallelism(catalogue, tmp_path):
+    """The hybrid run's step-10 checkpoint (dense optimizer state from the workers, tables and
+    their accumulators from the server) resumed under ddp ends where one process does."""
+    split = copy_run(catalogue.run(3, *HYBRID, tiny=False), tmp_path / "split")
+    checkpoint.checkpoint_root(split).joinpath("step-20").rename(split / "not-this-one")
+    train(split, 2, "--resume", "--strategy", "ddp", "--max-steps", "20", tiny=False)
+    assert rel_l2(weights(split), weights(catalogue.run(1, *PARITY, tiny=False))) <= 1e-5

@@ -157,7 +157,7 @@ def _job_key(cfg: configuration.Config) -> str:
 
 def _check_parallelism(cfg: configuration.Config, nproc: int, world: int, meta_model) -> registry.Plan:
     """The strategy registry's checks; returns the plan (strategies on a named mesh) the workers build."""
-    check_ps_options_need_ps(cfg, cfg.train.strategy)
+    check_ps_options_need_ps(cfg, cfg.train.strategy, [row.name for row in registry.ROWS if "server" in row.roles])
     mesh = registry.mesh_for(cfg.train.strategy, world, cfg.train.mesh)
     product = math.prod(mesh.values())
     if product != world:

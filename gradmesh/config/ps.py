@@ -41,9 +41,9 @@ class PSConfig:
         return parse_ps_mode(self.mode)
 
 
-def check_ps_options_need_ps(cfg, strategy: str) -> None:
+def check_ps_options_need_ps(cfg, strategy: str, with_servers: list[str]) -> None:
     """--ps-servers and --ps-mode mean nothing to another strategy: refused rather than ignored
     (except on --resume, where they come from the saved config of a run that used ps)."""
-    if strategy != "ps" and not cfg.checkpoint.resume and (cfg.ps.servers != 1 or cfg.ps.mode != "sync"):
-        raise UsageError(f"--ps-servers and --ps-mode apply to --strategy ps, not {strategy}; "
-                         "leave them out or give --strategy ps")
+    if strategy not in with_servers and not cfg.checkpoint.resume and (cfg.ps.servers != 1 or cfg.ps.mode != "sync"):
+        raise UsageError(f"--ps-servers and --ps-mode apply to --strategy {' or '.join(with_servers)}, not "
+                         f"{strategy}; leave them out or give --strategy {with_servers[0]}")

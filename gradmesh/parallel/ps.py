@@ -45,13 +45,17 @@ class Roles:
 class Layout:
     """The flat vector's ranges: one per parameter, one shard per server."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], servers: int):
+    def __init__(self, shapes: list[tuple[int, ...]], servers: int, on_servers: bool = True):
+        """on_servers False (the hybrid strategy): the workers hold the vector; every shard is empty."""
         self.shapes = [tuple(shape) for shape in shapes]
         self.numels = [_numel(shape) for shape in self.shapes]
         self.offsets = [0]
         for numel in self.numels:
             self.offsets.append(self.offsets[-1] + numel)
         self.total = self.offsets[-1]
+        if not on_servers:
+            self.bounds = [0] * (servers + 1)
+            return
         rows = Rows(self.shapes)
         if servers > rows.count:
             raise UsageError(f"--ps-servers {servers}: the model has {rows.count} rows of parameters in all, so at "
@@ -151,15 +155,16 @@ def table_rows(rows: int, servers: int, server: int) -> tuple[int, int]:
     return rows * server // servers, rows * (server + 1) // servers
 
 
-def layout_of(model: nn.Module, servers: int) -> Layout:
-    return Layout([tuple(p.shape) for _, p in dense_parameters(model)], servers)
+def layout_of(model: nn.Module, servers: int, on_servers: bool = True) -> Layout:
+    return Layout([tuple(p.shape) for _, p in dense_parameters(model)], servers, on_servers)
 
 
-def check_ps(cfg, mesh: dict[str, int], meta_model) -> None:
-    """Before launch: servers and workers both present, shards possible, the batch splittable."""
-    world, servers = mesh["ps"], cfg.ps.servers
+def check_ps(cfg, mesh: dict[str, int], meta_model, hybrid: bool = False) -> None:
+    """Before launch: servers and workers both present, shards possible, the batch splittable;
+    hybrid: a model with sparse tables, and tables in sync or ssp:K mode."""
+    world, servers, name = mesh["ps"], cfg.ps.servers, cfg.train.strategy
     if cfg.train.mesh:
-        raise UsageError(f"--strategy ps does not combine with --mesh {cfg.train.mesh!r} (its ranks are servers "
+        raise UsageError(f"--strategy {name} does not combine with --mesh {cfg.train.mesh!r} (its ranks are servers "
                          "and workers, not mesh axes); leave --mesh out")
     if not 1 <= servers < world:
         raise UsageError(f"--ps-servers {servers} leaves {world - servers} worker(s) of {world} ranks: give at least "
@@ -169,11 +174,22 @@ def check_ps(cfg, mesh: dict[str, int], meta_model) -> None:
         raise UsageError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by workers x "
                          f"grad_accum = {workers} x {accum}; use a multiple of {workers * accum}")
     model = meta_model()
-    for name, table in sparse_tables(model):
+    if hybrid:
+        _check_hybrid(cfg, model)
+    for table_name, table in sparse_tables(model):
         if table.num_embeddings < servers:
-            raise UsageError(f"--ps-servers {servers}: table {name} has {table.num_embeddings} rows, fewer than the "
-                             f"servers that share it; give --ps-servers at most {table.num_embeddings}")
-    layout_of(model, servers)
+            raise UsageError(f"--ps-servers {servers}: table {table_name} has {table.num_embeddings} rows, fewer than "
+                             f"the servers that share it; give --ps-servers at most {table.num_embeddings}")
+    layout_of(model, servers, on_servers=not hybrid)
+
+
+def _check_hybrid(cfg, model: nn.Module) -> None:
+    if not sparse_tables(model):
+        raise UsageError(f"--strategy hybrid puts a model's sparse embedding tables on the servers, and --model "
+                         f"{cfg.model.name} has none; use it with --model recsys, or use ddp or ps")
+    if cfg.ps.mode == "async":
+        raise UsageError("--strategy hybrid keeps the dense part in step by all-reduce, so its tables train in "
+                         "--ps-mode sync or ssp:K, not async; give sync or ssp:K (e.g. ssp:1)")
 
 
 def server_ranks(cfg, world: int) -> list[int]:

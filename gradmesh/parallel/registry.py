@@ -89,6 +89,9 @@ class Strategy:
     server's shard): under in-place recovery every rank then restarts from the last checkpoint."""
     step_breakdown: bool = True
     """The monitor's per-phase step breakdown applies (its ranks step together)."""
+    dense_on_workers: bool = False
+    """Parameter-server family: the dense parameters are replicated on the workers and averaged
+    among them by all-reduce; the servers hold only the sparse tables (hybrid)."""
 
 
 def load(ref: str) -> Callable:
@@ -116,6 +119,12 @@ def _check_ps(cfg, mesh: dict[str, int], meta_model) -> None:
     from gradmesh.parallel.ps import check_ps
 
     check_ps(cfg, mesh, meta_model)
+
+
+def _check_hybrid(cfg, mesh: dict[str, int], meta_model) -> None:
+    from gradmesh.parallel.ps import check_ps
+
+    check_ps(cfg, mesh, meta_model, hybrid=True)
 
 
 def _tp_state(size: ModelSize, n: int) -> float:
@@ -164,6 +173,16 @@ ROWS = (
              roles=("worker", "server"), sync="gradmesh.parallel.data:no_sync", checks=(_check_ps,),
              same_work=False, step_breakdown=False, inplace_recovery=True,
              critical="gradmesh.parallel.ps:server_ranks"),
+    # The dense part as ddp keeps it, among the W workers; the tables' rows move as under ps
+    # (counted apart, per row touched). In-place recovery would have to regroup the workers'
+    # all-reduce mid-segment: a lost rank restarts the job from the last checkpoint instead.
+    Strategy("hybrid", "ps", "ps", "gradmesh.parallel.ps:apply_ps",
+             "hybrid: sparse tables on parameter servers (sync or ssp:K), the dense network all-reduced "
+             "among the workers",
+             state_bytes=lambda size, n: _all_bytes(size),
+             wire_bytes=lambda size, n: FP32 * size.params,
+             roles=("worker", "server"), sync="gradmesh.parallel.data:no_sync", checks=(_check_hybrid,),
+             same_work=False, step_breakdown=False, dense_on_workers=True),
 )
 STRATEGIES = {row.name: row for row in ROWS}
 

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from gradmesh.comm.ps_wire import Wire
 from gradmesh.data import GlobalBatch
 from gradmesh.engine.base import Job, StepOutcome, lr_factor, peak_memory_bytes
+from gradmesh.engine.ps.hybrid import DenseReplica
 from gradmesh.engine.ps.segment import Dispatcher, Segment
 from gradmesh.engine.ps.server import Server
 from gradmesh.engine.ps.slots import OptimizerSlots
@@ -39,7 +40,9 @@ class ParameterServerEngine:
         self.slots = OptimizerSlots(job.optimizer_class, job.optimizer_kwargs)
         self.bound = job.ps.bound
         self.roles = Roles(topology.world_size, job.ps.servers)
-        self.layout = layout_of(model, self.roles.servers)
+        self.hybrid = plan.alone.dense_on_workers
+        """The dense parameters replicated on the workers, all-reduced among them (`gradmesh.engine.ps.hybrid`)."""
+        self.layout = layout_of(model, self.roles.servers, on_servers=not self.hybrid)
         is_server = self.roles.is_server(topology.rank)
         topology.role = "server" if is_server else "worker"
         self.dense, self.sparse = dense_parameters(model), sparse_tables(model)
@@ -51,12 +54,14 @@ class ParameterServerEngine:
             index = topology.rank - self.roles.workers
             shards = [TableShard(table, self.roles.servers, index) for _, table in self.sparse]
             self.server = Server(index, self.layout.shard(index), self.layout.buckets(index, bucket), self.flat,
-                                 self.wire, job, self.bound, servers_group, shards)
+                                 self.wire, job, self.bound, servers_group, shards, self.hybrid)
             self.optimizer = self.server.optimizer
         else:
             tables = WorkerTables(self.sparse, self.roles, self.wire) if self.sparse else None
+            replica = DenseReplica(self.flat, grads, self.workers_group, job, self.bound == 0) if self.hybrid else None
             self.worker = Worker(self.roles, self.layout, model, [p for _, p in self.dense], self.flat, grads,
-                                 self.wire, job, self.bound, bucket, topology.device, tables)
+                                 self.wire, job, self.bound, bucket, topology.device, tables, replica)
+            self.optimizer = replica.optimizer if replica else None
         self.positioned = False
 
     def _connect(self, topology: Topology):
@@ -65,6 +70,7 @@ class ParameterServerEngine:
         self.identities = list(self.membership.members) if self.membership else list(range(topology.world_size))
         server_ranks = [self.roles.server_rank(s) for s in range(self.roles.servers)]
         servers_group = dist.new_group(server_ranks, backend="gloo")  # every rank takes part in making it
+        self.workers_group = dist.new_group(list(range(self.roles.workers))) if self.hybrid else None
         self.wire = Wire(topology.side_group("ps"), topology.group("world"), self.job.counter)
         return servers_group
 
@@ -100,7 +106,8 @@ class ParameterServerEngine:
             if not self.positioned:  # versions count from the step the run starts at (0, or a checkpoint's)
                 self.server.version = segment.first
             is_dispatcher = self.topology.rank == self.roles.dispatcher
-            dispatcher = Dispatcher(segment, static=self.job.ps.mode == "sync") if is_dispatcher else None
+            static = self.job.ps.mode == "sync" or self.hybrid  # hybrid: every worker in every step's all-reduce
+            dispatcher = Dispatcher(segment, static=static) if is_dispatcher else None
             self.server.serve(segment, dispatcher, self.identities, probe, self._lookout())
             if dispatcher:
                 log = self._log_rows(segment)
@@ -195,6 +202,8 @@ class ParameterServerEngine:
     def state_bytes(self) -> int:
         if self.server:
             return self.server.state_bytes()
+        if self.worker.replica:
+            return self.worker.replica.state_bytes()
         return 2 * self.flat.numel() * self.flat.element_size()  # parameters and gradients
 
     # -- the whole model: evaluation, checkpoints, final weights ---------------------------------
@@ -202,9 +211,8 @@ class ParameterServerEngine:
     def refresh(self) -> None:
         """Collective: every rank's model gets the servers' current parameters, tables included."""
         group = self.topology.group("world")
-        for s in range(self.roles.servers):
-            low, high = self.layout.shard(s)
-            dist.broadcast(self.flat[low:high], src=self.roles.server_rank(s), group=group)
+        for holder, low, high in self.dense_pieces():
+            dist.broadcast(self.flat[low:high], src=holder, group=group)
         for index, (_, table) in enumerate(self.sparse):
             with torch.no_grad():
                 if self.server:
@@ -213,6 +221,13 @@ class ParameterServerEngine:
                 for s in range(self.roles.servers):
                     low, high = table_rows(table.num_embeddings, self.roles.servers, s)
                     dist.broadcast(table.weight.data[low:high], src=self.roles.server_rank(s), group=group)
+
+    def dense_pieces(self) -> list[tuple[int, int, int]]:
+        """(rank, low, high): who holds which range of the dense flat vector and its optimizer
+        state (hybrid: every worker the whole; rank 0 speaks for them)."""
+        if self.hybrid:
+            return [(0, 0, self.flat.numel())]
+        return [(self.roles.server_rank(s), *self.layout.shard(s)) for s in range(self.roles.servers)]
 
     def eval_model(self) -> nn.Module:
         self.refresh()
@@ -238,8 +253,9 @@ class ParameterServerEngine:
                                    for name, table in self.sparse})
             return {"model": get_model_state_dict(self.model), "optim": optim}
         self.refresh()
-        slots = self.slots.gather(self.server.optimizer.state.get(self.server.param, {}) if self.server else None,
-                                  self.layout, self.roles, self.wire, self.flat)
+        holder = self.server or self.worker.replica
+        slots = self.slots.gather(holder.optimizer.state.get(holder.param, {}) if holder else None,
+                                  self.dense_pieces(), self.wire, self.flat)
         optim = self.slots.named(slots, names, self.layout)
         optim["state"].update(self._table_state())
         return {"model": get_model_state_dict(self.model), "optim": optim}
@@ -263,11 +279,14 @@ class ParameterServerEngine:
 
     def install_checkpoint(self, payload: dict) -> None:
         set_model_state_dict(self.model, payload["model"])
-        if self.server:
+        holder = self.server or self.worker.replica
+        if holder:
             names = [name for name, _ in self.dense]
-            state = self.slots.shard_of(payload["optim"]["state"], names, (self.server.low, self.server.high))
+            piece = (self.server.low, self.server.high) if self.server else (0, self.flat.numel())
+            state = self.slots.shard_of(payload["optim"]["state"], names, piece)
             if state:
-                self.server.optimizer.state[self.server.param] = state
+                holder.optimizer.state[holder.param] = state
+        if self.server:
             for shard, (name, table) in zip(self.server.tables.shards, self.sparse):
                 shard.weight.copy_(table.weight.detach()[shard.low:shard.high])
                 saved = payload["optim"]["state"].get(f"{name}.weight", {})

@@ -15,25 +15,25 @@ pulled; sync and ssp, the steps its parameters lacked (c minus the frontier it p
 most K); per step, its sum, count and maximum are kept for the metrics.
 """
 
-import math
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from gradmesh.comm.ps_wire import Kind, Message, Wire
-from gradmesh.engine.base import lr_factor
+from gradmesh.engine.ps.apply import Applying
 from gradmesh.engine.ps.segment import Dispatcher, Segment
 from gradmesh.engine.ps.tables import ServerTables
 from gradmesh.engine.ps.timing import RoleClock
 
 
-class Server:
+class Server(Applying):
     def __init__(self, index: int, shard: tuple[int, int], buckets: list[tuple[int, int]], flat: torch.Tensor,
-                 wire: Wire, job, bound: int | None, servers_group, tables: list | None = None):
+                 wire: Wire, job, bound: int | None, servers_group, tables: list | None = None,
+                 dense_on_workers: bool = False):
         self.index, self.wire, self.job, self.bound = index, wire, job, bound
+        self.dense_on_workers = dense_on_workers
+        """Hybrid: the dense parameters are the workers' (all-reduced); this server holds tables only."""
         self.tables = ServerTables(tables or [], job.optimizer_kwargs.get("table_lr", job.optimizer_kwargs["lr"]))
         self.low, self.high = shard
         self.buckets, self.servers_group = buckets, servers_group
@@ -95,6 +95,10 @@ class Server:
         self.lost: set[int] = set()
         self.broken: set[int] = set()
         self.applied = 0
+        self.dense_sq: dict[int, float] = {}
+        """Hybrid, sync: clock -> the square of the workers' all-reduced dense gradient norm."""
+        self.norms: dict[int, float] = {}
+        """Sync: clock -> the global gradient norm the step was clipped by (0 with clipping off)."""
         self.frontier = segment.first  # every step before it wholly applied (a segment starts with none in flight)
         self.left = {clock: len(segment.chunks[clock]) for clock in segment.clocks}
         self.stats = {clock: [0.0, 0.0, 0.0, segment.started] for clock in segment.clocks}
@@ -176,11 +180,15 @@ class Server:
             if task is not None:
                 self.wire.send(worker, Message(Kind.TASK, clock=task[0], chunk=task[1]))
             elif self.dispatcher.finished:
-                self.wire.send(worker, Message(Kind.DONE))
+                self.wire.send(worker, Message(Kind.DONE, norm_sq=self._norm_sq(self.segment.clocks[-1])))
                 self.told_done.add(worker)
             else:  # the others still hold the last shares: one may die and leave its share to this one
                 still.append(worker)
         self.parked = still
+
+    def _norm_sq(self, clock: int) -> float:
+        """The square of step `clock`'s global gradient norm, once applied (sync; else 0)."""
+        return self.norms.get(clock, 0.0) ** 2
 
     def lose(self, worker: int) -> None:
         """A worker died: what it pushed is dropped; the dispatcher hands its shares out again."""
@@ -199,7 +207,8 @@ class Server:
         for worker, clock, least in self.waiting:
             if self.bound is None or self.frontier >= least:
                 level = self.version if self.bound is None else self.frontier
-                self.wire.send(worker, Message(Kind.PARAMS, version=level), self.param.detach())
+                shard = self.param.detach() if self.high > self.low else None  # hybrid: tables only
+                self.wire.send(worker, Message(Kind.PARAMS, version=level, norm_sq=self._norm_sq(clock - 1)), shard)
             elif self.dispatcher and self.dispatcher.earlier_than(worker, clock):
                 # a dead worker's share of an earlier step is back in line: this worker must do it
                 # (waiting for it would wait forever), so it gives its own share back
@@ -207,93 +216,3 @@ class Server:
             else:
                 still.append((worker, clock, least))
         self.waiting = still
-
-    # -- applying --------------------------------------------------------------------------------
-
-    def commit(self, worker: int, message: Message) -> None:
-        gradient = self.receiving.pop(worker)
-        rows = self.tables.take(worker)
-        clock, task = message.clock, (message.clock, message.chunk)
-        counted = task not in self.accepted  # a share redone after its worker died counts once
-        if self.dispatcher:
-            self.dispatcher.commit(worker, task)
-            self.serve_parked()
-        if not counted:
-            self.spare.append(gradient)
-            return
-        self.accepted.add(task)
-        if self.dispatcher:
-            self.log[task] = (worker, message.oldest, message.samples, message.loss)
-        if self.additive:
-            self.apply_share(gradient, rows, message)
-            self.spare.append(gradient)
-        else:
-            self.done.setdefault(clock, {})[message.chunk] = gradient
-            self.tables.stash(clock, message.chunk, rows)
-            self.pulled.setdefault(clock, []).append(message.version)
-            self.apply_ready_steps()
-        self.answer_pulls()
-
-    def apply_ready_steps(self) -> None:
-        while len(self.done.get(self.version, {})) == len(self.segment.chunks.get(self.version, [None])):
-            clock = self.version
-            shares = self.done.pop(clock)
-            total = shares[min(shares)]
-            for chunk in sorted(shares)[1:]:  # share order, whatever the arrival order
-                total.add_(shares[chunk])
-            rows = self.tables.summed(self.tables.step_parts(clock))
-            clipped = self.step(total, clock, self._global_norm(total, self.tables.norm_sq(rows)), 1.0)
-            self.tables.apply(rows, lr_factor(clock, self.job.train), clipped)
-            for version in self.pulled.pop(clock):
-                self.record(clock, clock - version)
-            self.applied += len(shares)
-            self._advance(clock, len(shares))
-            self.spare.extend(shares.values())
-
-    def apply_share(self, gradient: torch.Tensor, rows: list, message: Message) -> None:
-        batch = self.segment.batch(message.clock).size
-        scale = batch / message.samples  # the share's own mean gradient
-        gradient.mul_(scale)
-        staleness = self.version - message.version if self.bound is None else message.clock - message.version
-        clipped = self.step(gradient, message.clock, math.sqrt(message.norm_sq) * scale, message.samples / batch)
-        self.tables.apply(self.tables.summed(rows), lr_factor(message.clock, self.job.train) * message.samples / batch,
-                          scale * clipped)
-        self.record(message.clock, staleness)
-        self.applied += 1
-        self._advance(message.clock, 1)
-
-    def _advance(self, clock: int, shares: int) -> None:
-        self.left[clock] -= shares
-        while self.left.get(self.frontier, 1) == 0:
-            self.frontier += 1
-
-    def _global_norm(self, gradient: torch.Tensor, tables_sq: float = 0.0) -> float:
-        """The norm of the whole model's gradient (dense part and table rows): every server's part summed."""
-        if not self.job.train.grad_clip:
-            return 0.0
-        squares = (gradient.double().pow(2).sum() + tables_sq).reshape(1).cpu()
-        if dist.get_world_size(self.servers_group) > 1:
-            dist.all_reduce(squares, group=self.servers_group)
-        return math.sqrt(squares.item())
-
-    def step(self, gradient: torch.Tensor, clock: int, norm: float, lr_share: float) -> float:
-        """One optimizer step of the dense shard; the factor the gradient was clipped by."""
-        self.probe.reached(clock)
-        max_norm, clipped = self.job.train.grad_clip, 1.0
-        if max_norm:
-            clipped = min(1.0, max_norm / (norm + 1e-6))
-            gradient.mul_(clipped)
-        with self.clock.phase("send"):  # parameters being sent are not changed under the send
-            self.failed |= self.wire.settle(tolerant=True)  # a send to a worker that died fails
-        with self.clock.phase("apply"):
-            self.optimizer.param_groups[0]["lr"] = self.base_lr * lr_factor(clock, self.job.train) * lr_share
-            self.param.grad = gradient
-            self.optimizer.step()
-            self.param.grad = None
-        self.version += 1
-        self.clock.updates += 1
-        return clipped
-
-    def record(self, clock: int, staleness: int) -> None:
-        entry = self.stats[clock]
-        entry[:] = entry[0] + staleness, entry[1] + 1, max(entry[2], staleness), time.time()

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gradmesh.parallel.ps import Layout, Roles
+from gradmesh.parallel.ps import Layout
 
 
 class OptimizerSlots:
@@ -29,25 +29,27 @@ class OptimizerSlots:
                                  **{k: torch.zeros_like(v) for k, v in self.scalars.items()}}
                           for name, p in named}}
 
-    def gather(self, server_state: dict | None, layout: Layout, roles: Roles, wire, flat: torch.Tensor) -> dict:
-        """Collective: every slot of the whole flat vector, on every rank ({} before the first update)."""
-        first = roles.server_rank(0)
-        stepped = torch.tensor([int(bool(server_state))])
+    def gather(self, mine: dict | None, pieces: list[tuple[int, int, int]], wire, flat: torch.Tensor) -> dict:
+        """Collective: every slot of the whole flat vector, on every rank ({} before the first update).
+
+        `pieces`: (rank, low, high) of each holder of a range (servers, or under the hybrid
+        strategy the first worker for all); `mine`: this rank's state if it holds one."""
+        first = pieces[0][0]
+        stepped = torch.tensor([int(bool(mine))])
         dist.broadcast(stepped, src=first, group=wire.header_group)
         if not stepped.item():
             return {}
+        me = dist.get_rank()
         found = {}
         for key in self.elementwise:
             whole = torch.zeros_like(flat)
-            if server_state:
-                low, high = layout.shard(dist.get_rank() - roles.workers)
-                whole[low:high] = server_state[key]
-            for s in range(roles.servers):
-                low, high = layout.shard(s)
-                dist.broadcast(whole[low:high], src=roles.server_rank(s), group=wire.payload_group)
+            for rank, low, high in pieces:
+                if rank == me:
+                    whole[low:high] = mine[key]
+                dist.broadcast(whole[low:high], src=rank, group=wire.payload_group)
             found[key] = whole
         for key, like in self.scalars.items():
-            value = server_state[key].detach().cpu().clone() if server_state else torch.zeros_like(like)
+            value = mine[key].detach().cpu().clone() if mine else torch.zeros_like(like)
             dist.broadcast(value, src=first, group=wire.header_group)
             found[key] = value
         return found

@@ -37,11 +37,16 @@ def flat_views(params: list[nn.Parameter], device: torch.device, gradients: bool
 
 class Worker:
     def __init__(self, roles: Roles, layout: Layout, model: nn.Module, params: list[nn.Parameter], flat, grads,
-                 wire: Wire, job, bound: int | None, bucket_elements: int, device: torch.device, tables=None):
+                 wire: Wire, job, bound: int | None, bucket_elements: int, device: torch.device, tables=None,
+                 replica=None):
         self.roles, self.layout, self.model = roles, layout, model
         self.flat, self.grads, self.wire, self.job, self.bound, self.device = flat, grads, wire, job, bound, device
+        self.replica = replica
+        """Hybrid: `gradmesh.engine.ps.hybrid.DenseReplica` (the dense part all-reduced, not pushed)."""
         self.buckets = [(s, k, low, high) for s in range(roles.servers)
                         for k, (low, high) in enumerate(layout.buckets(s, bucket_elements))]
+        if replica is not None:  # server None: all-reduced among the workers
+            self.buckets = [(None, k, low, high) for k, (low, high) in enumerate(replica.buckets(bucket_elements))]
         self.of_param: list[list[int]] = [[] for _ in layout.numels]
         self.needed = []  # per bucket: the parameters whose gradients it waits for
         for b, (_, _, low, high) in enumerate(self.buckets):
@@ -66,6 +71,8 @@ class Worker:
                 self.wire.send(dispatcher, Message(Kind.TAKE))
                 reply = self.wire.receive_from(dispatcher)
             if reply.kind == Kind.DONE:
+                if self.replica:
+                    self.replica.catch_up(reply.norm_sq)
                 break
             least = reply.clock - self.bound if self.bound is not None else 0
             versions = self.pull(reply.clock, least)
@@ -103,8 +110,12 @@ class Worker:
                 retry = True
                 continue
             low, high = self.layout.shard(s)
-            payloads.append(self.wire.payload_from(servers[s], self.flat[low:high]))
+            if high > low:  # hybrid servers send no dense shard
+                payloads.append(self.wire.payload_from(servers[s], self.flat[low:high]))
             versions.append(reply.version)
+            if s == 0 and self.replica:
+                with self.clock.phase("compute"):
+                    self.replica.catch_up(reply.norm_sq)  # the previous step's norm (sync)
         for work in payloads:
             work.wait()
         return None if retry else versions
@@ -141,11 +152,25 @@ class Worker:
         if self.tables:
             with self.clock.phase("push"):
                 tables_sq = self.tables.push()
-        self._commit(task, len(indices), loss_sum, tables_sq)
+        if self.replica:
+            norm_sq = self._reduced(task[0], tables_sq, len(indices) / batch_size)
+        else:
+            norm_sq = self.grads.double().pow(2).sum().item() + tables_sq
+        self._commit(task, len(indices), loss_sum, norm_sq)
         return loss_sum
 
-    def _commit(self, task: tuple[int, int, list[int]], samples: int, loss_sum: float, tables_sq: float) -> None:
-        norm_sq = self.grads.double().pow(2).sum().item() + tables_sq
+    def _reduced(self, clock: int, tables_sq: float, share: float) -> float:
+        """Hybrid: the dense gradient reduced among the workers and its step taken or deferred;
+        what the commit tells the servers (sync: the dense part's square; ssp: the estimated global
+        square, scaled as a share's own norm is)."""
+        with self.clock.phase("push"):
+            dense_sq = self.replica.reduced()
+            global_sq = 0.0 if self.replica.deferred else self.replica.estimate_sq(dense_sq, tables_sq)
+        with self.clock.phase("compute"):
+            self.replica.computed(clock, global_sq)
+        return dense_sq if self.replica.deferred else global_sq * share * share
+
+    def _commit(self, task: tuple[int, int, list[int]], samples: int, loss_sum: float, norm_sq: float) -> None:
         clock, chunk, versions = task
         commits = [Message(Kind.COMMIT, clock=clock, chunk=chunk, version=version, samples=samples,
                            oldest=min(versions), loss=loss_sum, norm_sq=norm_sq) for version in versions]
@@ -168,6 +193,9 @@ class Worker:
 
     def _push(self, bucket: int) -> None:
         server, k, low, high = self.buckets[bucket]
+        if server is None:
+            self.replica.reduce(low, high)
+            return
         clock, chunk, versions = self.task
         self.wire.send(self.roles.server_rank(server), Message(Kind.PUSH, clock=clock, chunk=chunk,
                                                                version=versions[server], bucket=k), self.grads[low:high])
