@@ -48,6 +48,12 @@ class Kind(IntEnum):
     """worker -> server: gradients of `samples` rows of table `bucket` (payloads: ids, then rows)."""
 
 
+ANSWERS = 1
+"""The tag of the dispatcher's answers to TAKE (TASK, DONE): apart from every other message, so a
+worker may ask for its next share early (static dispatch) and still read its pull's answer,
+which the dispatcher may send after that TASK, first."""
+
+
 @dataclass(frozen=True)
 class Message:
     kind: Kind
@@ -88,7 +94,8 @@ class Wire:
 
     def send(self, dst: int, message: Message, payload: torch.Tensor | None = None) -> None:
         head = message.encode()
-        self.pending.append((dist.isend(head, dst, group=self.header_group), head, dst))  # the tensor lives until sent
+        tag = ANSWERS if message.kind in (Kind.TASK, Kind.DONE) else 0
+        self.pending.append((dist.isend(head, dst, group=self.header_group, tag=tag), head, dst))  # lives until sent
         nbytes = head.numel() * head.element_size()
         if payload is not None:
             self.pending.append((dist.isend(payload, dst, group=self.payload_group), payload, dst))
@@ -132,10 +139,11 @@ class Wire:
         dist.recv(inbox, source, group=self.header_group)
         return Message.decode(inbox)
 
-    def expect(self, source: int) -> tuple[torch.Tensor, object]:
-        """Post a receive of the next header from `source`: (buffer, work)."""
+    def expect(self, source: int, answer: bool = False) -> tuple[torch.Tensor, object]:
+        """Post a receive of the next header from `source` (`answer`: TASK or DONE): (buffer, work).
+        A send completes only once its receive is posted, so one posted early lets the sender go on."""
         head = torch.zeros(HEADER, dtype=torch.int64)
-        return head, dist.irecv(head, source, group=self.header_group)
+        return head, dist.irecv(head, source, group=self.header_group, tag=ANSWERS if answer else 0)
 
     def payload_from(self, source: int, into: torch.Tensor):
         """Post a receive of a payload from `source` straight into `into` (a range of a flat buffer)."""

@@ -29,6 +29,11 @@ class DLRM(nn.Module):
         self.pairs = torch.triu_indices(features, features, offset=1, device="cpu")
         self.top = _mlp([dim + self.pairs.shape[1], hidden, 1], last_activation=False)
 
+    def lookups(self, dense: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+        """The ids each table (in `self.tables` order) looks up in `forward(dense, ids)`: what a
+        parameter server has to send before the forward runs."""
+        return [ids[:, t] for t in range(len(self.tables))]
+
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Logits [batch] from dense [batch, dense] and ids [batch, tables]."""
         bottom = self.bottom(dense)

@@ -14,6 +14,7 @@ worker and holds the whole model, as under data parallelism.
 import bisect
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from gradmesh.errors import UsageError
@@ -138,7 +139,9 @@ def _balanced(rows: Rows, servers: int) -> list[int]:
 
 def sparse_tables(model: nn.Module) -> list[tuple[str, nn.Embedding]]:
     """The embedding tables of a model whose tables train sparse (`model.sparse`): the servers
-    hold them row-sharded and workers move only the rows a batch touches; [] for other models."""
+    hold them row-sharded and workers move only the rows a batch touches; [] for other models.
+    Such a model also says which ids each table will look up (`model.lookups(*inputs)`, in
+    named_modules order), so a worker fetches every table's rows before the forward."""
     if not getattr(model, "sparse", False):
         return []
     return [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Embedding)]
@@ -153,6 +156,30 @@ def dense_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def table_rows(rows: int, servers: int, server: int) -> tuple[int, int]:
     """The rows [low, high) of a table of `rows` rows that server `server` holds (even ranges)."""
     return rows * server // servers, rows * (server + 1) // servers
+
+
+class TableSpace:
+    """Every sparse table's rows numbered in one id space (table t's row r is `offsets[t] + r`),
+    so one request to a server carries the ids of every table it holds rows of. Server s holds
+    rows `table_rows(rows_t, S, s)` of each table t: in the global numbering, range t * S + s of
+    `starts`, which are in order."""
+
+    def __init__(self, rows: list[int], servers: int):
+        self.servers, self.offsets = servers, [0]
+        for count in rows:
+            self.offsets.append(self.offsets[-1] + count)
+        self.starts = torch.tensor([self.offsets[t] + table_rows(count, servers, s)[0]
+                                    for t, count in enumerate(rows) for s in range(servers)])
+
+    def ranges(self, ids: torch.Tensor) -> torch.Tensor:
+        """The range (t * S + s) each global id falls in."""
+        return torch.searchsorted(self.starts, ids, right=True) - 1
+
+    def by_server(self, ids: torch.Tensor, every: bool = False) -> list[tuple[int, torch.Tensor]]:
+        """(server, mask over `ids`) for each server holding any of these global ids (`every`:
+        for every server)."""
+        server = self.ranges(ids) % self.servers
+        return [(s, mask) for s in range(self.servers) if (mask := server == s).any() or every]
 
 
 def layout_of(model: nn.Module, servers: int, on_servers: bool = True) -> Layout:

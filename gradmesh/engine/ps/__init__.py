@@ -57,7 +57,7 @@ class ParameterServerEngine:
                                  self.wire, job, self.bound, servers_group, shards, self.hybrid)
             self.optimizer = self.server.optimizer
         else:
-            tables = WorkerTables(self.sparse, self.roles, self.wire) if self.sparse else None
+            tables = WorkerTables(model, self.sparse, self.roles, self.wire) if self.sparse else None
             replica = DenseReplica(self.flat, grads, self.workers_group, job, self.bound == 0) if self.hybrid else None
             self.worker = Worker(self.roles, self.layout, model, [p for _, p in self.dense], self.flat, grads,
                                  self.wire, job, self.bound, bucket, topology.device, tables, replica)

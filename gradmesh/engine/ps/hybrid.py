@@ -10,8 +10,9 @@ included:
 
 - sync: the servers know the tables' part only once every share of the step has arrived, so a
   worker sends its dense part's square with its commit and applies its own step when the
-  dispatcher answers its next pull (or says the segment is done) with the step's global norm:
-  the single-process model exactly, since the next step's forward waits for the tables anyway;
+  dispatcher answers its next pull (the next share's first row request, which waits for the
+  step's tables anyway) or says the segment is done, with the step's global norm: the
+  single-process model exactly, at no extra wait;
 - ssp:K >= 1: the workers do not wait for the servers, so the tables' part is the workers'
   own rows' squares summed (rows two workers both touched count apart: an estimate) and each
   worker applies its step at once; the servers clip the tables by the same factor.
@@ -35,8 +36,9 @@ class DenseReplica:
         self.base_lr = self.optimizer.param_groups[0]["lr"]
         self.workers = dist.get_world_size(group)
         self.futures: list = []
-        self.pending: int | None = None
-        """Sync: the step computed and reduced whose update waits for the step's global norm."""
+        self.pending: tuple[int, torch.Tensor] | None = None
+        """Sync: (clock, reduced gradient) of the step whose update waits for its global norm
+        (heard at the next share's first row request, after the gradient buffer is zeroed)."""
 
     def state_bytes(self) -> int:
         slots = sum(v.numel() * v.element_size() for v in self.optimizer.state.get(self.param, {}).values()
@@ -72,21 +74,21 @@ class DenseReplica:
         """The step's gradient is reduced: step now (ssp, `global_sq` the estimate) or once the
         servers tell the global norm (sync)."""
         if self.deferred:
-            self.pending = clock
+            self.pending = (clock, self.grads.clone())
         else:
-            self.step(clock, global_sq)
+            self.step(clock, self.grads, global_sq)
 
     def catch_up(self, global_sq: float) -> None:
         """Sync: the dispatcher told the pending step's global norm (squared)."""
         if self.pending is not None:
-            clock, self.pending = self.pending, None
-            self.step(clock, global_sq)
+            (clock, gradient), self.pending = self.pending, None
+            self.step(clock, gradient, global_sq)
 
-    def step(self, clock: int, global_sq: float) -> None:
+    def step(self, clock: int, gradient: torch.Tensor, global_sq: float) -> None:
         clipped = clip_factor(self.job.train.grad_clip, math.sqrt(global_sq))
         if clipped != 1.0:
-            self.grads.mul_(clipped)
+            gradient.mul_(clipped)
         self.optimizer.param_groups[0]["lr"] = self.base_lr * lr_factor(clock, self.job.train)
-        self.param.grad = self.grads
+        self.param.grad = gradient
         self.optimizer.step()
         self.param.grad = None

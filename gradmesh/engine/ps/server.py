@@ -86,7 +86,7 @@ class Server(Applying):
         """A segment's bookkeeping, fresh."""
         self.done: dict[int, dict[int, torch.Tensor]] = {}
         self.pulled: dict[int, list[int]] = {}
-        self.waiting: list[tuple[int, int, int]] = []  # (worker, clock, least version)
+        self.waiting: list[tuple] = []  # (worker, clock, least version, the ids of a row request or None)
         self.accepted: set[tuple[int, int]] = set()
         self.log: dict[tuple[int, int], tuple[int, int, int, float]] = {}
         """Dispatcher: (clock, chunk) -> (worker, oldest version, samples, loss) of the commit that counted."""
@@ -136,10 +136,10 @@ class Server(Applying):
         elif kind == Kind.COMMIT:
             self.commit(source, message)
         elif kind == Kind.PULL:
-            self.waiting.append((source, message.clock, message.version))
+            self.waiting.append((source, message.clock, message.version, None))
             self.answer_pulls()
         elif kind == Kind.CANCEL:
-            if any(w == source for w, _, _ in self.waiting):
+            if any(entry[0] == source for entry in self.waiting):
                 self.waiting = [entry for entry in self.waiting if entry[0] != source]
                 self.wire.send(source, Message(Kind.RETRY))
         elif kind == Kind.TAKE and self.dispatcher:
@@ -152,12 +152,18 @@ class Server(Applying):
             raise RuntimeError(f"parameter server {self.index}: unexpected {kind.name} from rank {source}")
 
     def table_message(self, source: int, message: Message) -> None:
+        """GRADS kept with the worker's share; ROWS answered like a pull, once the version it asks
+        for is here (hybrid: a share's first row request is its pull)."""
         with self.clock.phase("receive"):
             try:
-                self.tables.message(self.wire, source, message)
+                wanted = self.tables.message(self.wire, source, message)
             except RuntimeError:  # its worker died before sending it
                 self.broken.add(source)
                 self.failed.add(source)
+                return
+        if message.kind == Kind.ROWS:
+            self.waiting.append((source, message.clock, message.version, wanted))
+            self.answer_pulls()
 
     def _stop_hung(self, overdue: list[tuple[int, tuple[int, int]]]) -> None:
         """Dispatcher, --step-timeout: a worker holding a share that long without committing it
@@ -204,15 +210,17 @@ class Server(Applying):
 
     def answer_pulls(self) -> None:
         still = []
-        for worker, clock, least in self.waiting:
+        for worker, clock, least, rows in self.waiting:
             if self.bound is None or self.frontier >= least:
                 level = self.version if self.bound is None else self.frontier
-                shard = self.param.detach() if self.high > self.low else None  # hybrid: tables only
-                self.wire.send(worker, Message(Kind.PARAMS, version=level, norm_sq=self._norm_sq(clock - 1)), shard)
+                if rows is not None:
+                    self.tables.answer(self.wire, worker, rows, level, self._norm_sq(clock - 1))
+                    continue
+                self.wire.send(worker, Message(Kind.PARAMS, version=level), self.param.detach())
             elif self.dispatcher and self.dispatcher.earlier_than(worker, clock):
                 # a dead worker's share of an earlier step is back in line: this worker must do it
                 # (waiting for it would wait forever), so it gives its own share back
                 self.wire.send(worker, Message(Kind.RETRY))
             else:
-                still.append((worker, clock, least))
+                still.append((worker, clock, least, rows))
         self.waiting = still

@@ -2,9 +2,12 @@
 with its row-wise Adagrad accumulators; a worker pulls only the rows its batch looks up and
 pushes only their gradients.
 
-Worker: a forward pre-hook on each table sees the ids the batch looks up, pulls those rows from
-the servers that hold them (ROWS) into the worker's copy of the table, and the table computes a
-sparse gradient (`nn.Embedding(sparse=True)`), whose rows go back to their servers (GRADS)
+Worker: a forward pre-hook on the model asks it which ids each table will look up
+(`model.lookups(*inputs)`), and pulls those rows of every table at once, one request per server
+(ROWS, the tables' rows numbered in one id space: `gradmesh.parallel.ps.TableSpace`), into the
+worker's copy of each table; one round trip per server and share, not one per table, since
+round trips, not bytes, bound a small share. The tables compute sparse gradients
+(`nn.Embedding(sparse=True)`), whose rows go back to their servers in one message each (GRADS)
 before the share's commit. Rows the batch does not touch are never moved, so a worker's copy is
 stale everywhere but where it looks.
 
@@ -20,13 +23,14 @@ import torch.nn as nn
 
 from gradmesh.comm.ps_wire import Kind, Message
 from gradmesh.optim import rowwise_adagrad
-from gradmesh.parallel.ps import table_rows
+from gradmesh.parallel.ps import TableSpace, table_rows
 
 
 class TableShard:
     """Server side: rows [low, high) of one table and their accumulators."""
 
     def __init__(self, table: nn.Embedding, servers: int, server: int):
+        self.rows, self.servers = table.num_embeddings, servers
         self.low, self.high = table_rows(table.num_embeddings, servers, server)
         self.weight = table.weight.detach()[self.low:self.high].clone()
         self.accumulator = torch.zeros(self.high - self.low, dtype=self.weight.dtype, device=self.weight.device)
@@ -50,6 +54,7 @@ class ServerTables:
 
     def __init__(self, shards: list[TableShard], lr: float):
         self.shards, self.lr = shards, lr
+        self.space = TableSpace([s.rows for s in shards], shards[0].servers) if shards else None
         self.receiving: dict[int, list] = {}
         """worker -> [(table, ids, gradient rows)] pushed for the share it has not committed yet."""
         self.done: dict[int, dict[int, list]] = {}
@@ -58,17 +63,33 @@ class ServerTables:
     def state_bytes(self) -> int:
         return sum(s.weight.numel() * s.weight.element_size() + s.accumulator.numel() * 4 for s in self.shards)
 
-    def message(self, wire, source: int, message: Message) -> None:
-        """ROWS: answer with the rows asked for (their current values); GRADS: keep the rows'
-        gradients until the worker commits. RuntimeError: the worker died before sending it all."""
-        shard = self.shards[message.bucket]
-        weight = shard.weight
-        ids = payload_of(wire, source, message.samples, 0, weight.device)
+    def message(self, wire, source: int, message: Message) -> torch.Tensor | None:
+        """ROWS: the ids asked for (answered by `answer` once the version asked for is here);
+        GRADS: the rows' gradients, kept until the worker commits. RuntimeError: the worker
+        died before sending it all."""
+        like = self.shards[0].weight
+        ids = payload_of(wire, source, message.samples, 0, like.device)
         if message.kind == Kind.ROWS:
-            wire.send(source, Message(Kind.ROWS, bucket=message.bucket, samples=len(ids)), shard.rows(ids))
-            return
-        grads = payload_of(wire, source, message.samples, weight.shape[1], weight.device, weight.dtype)
-        self.receiving.setdefault(source, []).append((message.bucket, ids, grads))
+            return ids
+        grads = payload_of(wire, source, message.samples, like.shape[1], like.device, like.dtype)
+        ranges = self.space.ranges(ids)
+        tables, parts = ranges // self.space.servers, self.receiving.setdefault(source, [])
+        for table in torch.unique(tables).tolist():
+            mine = tables == table
+            parts.append((table, ids[mine] - self.space.offsets[table], grads[mine]))
+        return None
+
+    def answer(self, wire, worker: int, ids: torch.Tensor, version: int, norm_sq: float) -> None:
+        """The rows of these global ids, as they are now; `version` and `norm_sq` as a pull's answer."""
+        like = self.shards[0].weight
+        ranges = self.space.ranges(ids)
+        tables = ranges // self.space.servers
+        rows = torch.empty(len(ids), like.shape[1], dtype=like.dtype, device=like.device)
+        for table in torch.unique(tables).tolist():
+            mine = tables == table
+            rows[mine] = self.shards[table].weight[ids[mine] - self.space.starts[ranges[mine]]]
+        reply = Message(Kind.ROWS, samples=len(ids), version=version, norm_sq=norm_sq)
+        wire.send(worker, reply, rows if len(ids) else None)
 
     def take(self, worker: int) -> list:
         return self.receiving.pop(worker, [])
@@ -108,61 +129,77 @@ class ServerTables:
 def payload_of(wire, source: int, count: int, dim: int, device, dtype=torch.float32) -> torch.Tensor:
     """Receive a payload of `count` rows of `dim` values (dim 0: `count` ids) from `source`."""
     rows = torch.empty((count, dim) if dim else (count,), dtype=torch.int64 if not dim else dtype, device=device)
-    wire.payload_from(source, rows).wait()
+    if count:  # an empty request (hybrid: a pull with no rows of this server's) has no payload
+        wire.payload_from(source, rows).wait()
     return rows
 
 
 class WorkerTables:
-    """Worker side: pull what the forward looks up, push the sparse gradients after backward."""
+    """Worker side: pull what the forward will look up, push the sparse gradients after backward."""
 
-    def __init__(self, tables: list[tuple[str, nn.Embedding]], roles, wire):
+    def __init__(self, model: nn.Module, tables: list[tuple[str, nn.Embedding]], roles, wire):
         self.tables, self.roles, self.wire = [module for _, module in tables], roles, wire
+        self.clock = None
+        """The worker's `RoleClock` (its wait for rows is pull time)."""
+        self.space = TableSpace([module.num_embeddings for module in self.tables], roles.servers)
         self.active = False
         """Pull on lookup only while computing a share (evaluation uses the refreshed tables)."""
-        for index, module in enumerate(self.tables):
+        self.gate: tuple[int, int] | None = None
+        """Hybrid: (clock, least version) of a share whose first row request is its pull: every
+        server answers it once its version is at least `least` (as a PULL waits), with that version
+        (`versions`, for the commit) and, from the dispatcher, the previous step's global norm
+        (handed to `heard`)."""
+        self.versions: list[int] = []
+        self.heard = None
+        for module in self.tables:
             module.sparse = True  # the gradient holds the looked-up rows only
-            module.register_forward_pre_hook(lambda module, inputs, index=index: self._pull(index, inputs[0]))
+        model.register_forward_pre_hook(lambda module, inputs: self._pull(module.lookups(*inputs)))
 
-    def _owners(self, table: int, ids: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """(server index, the ids it holds) for the servers holding any of `ids`."""
-        rows = self.tables[table].num_embeddings
-        found = []
-        for s in range(self.roles.servers):
-            low, high = table_rows(rows, self.roles.servers, s)
-            mine = ids[(ids >= low) & (ids < high)]
-            if len(mine):
-                found.append((s, mine.contiguous()))
-        return found
-
-    def _pull(self, table: int, ids: torch.Tensor) -> None:
+    def _pull(self, lookups: list[torch.Tensor]) -> None:
         if not self.active:
             return
-        wanted = torch.unique(ids)
-        asked = self._owners(table, wanted)
+        wanted = [torch.unique(ids) for ids in lookups]
+        ids = torch.cat([found + self.space.offsets[t] for t, found in enumerate(wanted)])
+        gate, self.gate = self.gate, None
+        asked = self.space.by_server(ids, every=gate is not None)  # a pull: every server answers it
+        clock, least = gate or (0, 0)
         for s, mine in asked:
-            self.wire.send(self.roles.server_rank(s), Message(Kind.ROWS, bucket=table, samples=len(mine)), mine)
-        weight = self.tables[table].weight
-        for s, mine in asked:
-            server = self.roles.server_rank(s)
-            reply = self.wire.receive_from(server)
-            assert reply.kind == Kind.ROWS and reply.samples == len(mine), reply
-            with torch.no_grad():
-                weight[mine] = payload_of(self.wire, server, len(mine), weight.shape[1], weight.device, weight.dtype)
+            count = int(mine.sum())
+            self.wire.send(self.roles.server_rank(s), Message(Kind.ROWS, clock=clock, version=least, samples=count),
+                           ids[mine] if count else None)
+        like = self.tables[0].weight
+        rows = torch.empty(len(ids), like.shape[1], dtype=like.dtype, device=like.device)
+        versions = []
+        with self.clock.phase("pull"):
+            for s, mine in asked:
+                server = self.roles.server_rank(s)
+                reply = self.wire.receive_from(server)
+                assert reply.kind == Kind.ROWS and reply.samples == int(mine.sum()), reply
+                rows[mine] = payload_of(self.wire, server, reply.samples, like.shape[1], like.device, like.dtype)
+                versions.append(reply.version)
+                if gate is not None and s == 0 and self.heard:
+                    self.heard(reply.norm_sq)
+        if gate is not None:
+            self.versions = versions
+        with torch.no_grad():
+            for module, found, part in zip(self.tables, wanted, rows.split([len(f) for f in wanted])):
+                module.weight[found] = part
 
     def push(self) -> float:
-        """Each table's gradient rows to the servers holding them (before the share's commit);
-        their sum of squares (for the global gradient norm)."""
-        squares = 0.0
-        for index, module in enumerate(self.tables):
-            grad = module.weight.grad
-            if grad is None:
-                continue
-            grad = grad.coalesce()
-            ids, values = grad.indices()[0], grad.values()
-            squares += float(values.double().pow(2).sum())
-            for s, mine in self._owners(index, ids):
-                keep = torch.isin(ids, mine)
-                self.wire.send(self.roles.server_rank(s), Message(Kind.GRADS, bucket=index, samples=len(mine)), mine)
-                self.wire.send_payload(self.roles.server_rank(s), values[keep].contiguous())
-            module.weight.grad = None
-        return squares
+        """Every table's gradient rows to the servers holding them, one message per server (before
+        the share's commit); their sum of squares (for the global gradient norm)."""
+        ids, values = [], []
+        for t, module in enumerate(self.tables):
+            if module.weight.grad is not None:
+                grad = module.weight.grad.coalesce()
+                ids.append(grad.indices()[0] + self.space.offsets[t])
+                values.append(grad.values())
+                module.weight.grad = None
+        if not ids:
+            return 0.0
+        ids, values = torch.cat(ids), torch.cat(values)
+        for s, mine in self.space.by_server(ids):
+            server = self.roles.server_rank(s)
+            self.wire.send(server, Message(Kind.GRADS, samples=int(mine.sum())), ids[mine])
+            self.wire.send_payload(server, values[mine].contiguous())
+        return float(values.double().pow(2).sum())

@@ -23,14 +23,23 @@ class RoleClock:
         self.seconds = dict.fromkeys(PHASES[role], 0.0)
         self.samples = self.updates = 0
         """worker: samples computed; server: updates applied."""
+        self.current: list | None = None
+        """[phase, since when] of the innermost phase running."""
 
     @contextmanager
     def phase(self, name: str):
-        start = time.perf_counter()
+        """Time spent in `name`; a phase inside another (a pull that waits in the middle of a
+        forward) takes its time from the outer one."""
+        outer, start = self.current, time.perf_counter()
+        if outer:
+            self.seconds[outer[0]] += start - outer[1]
+        self.current = [name, start]
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            end = time.perf_counter()
+            self.seconds[name] += end - self.current[1]
+            self.current = [outer[0], end] if outer else None
 
     def take(self) -> list[float]:
         """[role, phase seconds (SLOTS), samples, updates] since the last take; starts anew."""

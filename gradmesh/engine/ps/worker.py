@@ -62,21 +62,40 @@ class Worker:
             p.register_post_accumulate_grad_hook(lambda p, index=index: self._produced(index))
         self.tables = tables
         """`gradmesh.engine.ps.tables.WorkerTables`, or None."""
+        if tables:
+            tables.clock = self.clock
+            tables.heard = replica.catch_up if replica else None
 
     def run(self, segment: Segment, probe) -> None:
-        """Take shares until the dispatcher says every share of the segment is committed."""
-        dispatcher = self.roles.dispatcher
+        """Take shares until the dispatcher says every share of the segment is committed.
+
+        Static dispatch without in-place recovery: the next share is asked for as soon as this
+        one is known (its answer arrives while this one computes); the dispatcher holds a TAKE it
+        cannot answer yet, so a worker never holds two shares it could not finish."""
+        dispatcher, asked = self.roles.dispatcher, None
+        ahead = (self.job.ps.mode == "sync" or self.replica is not None) and self.job.membership is None
         while True:
             with self.clock.phase("wait"):
-                self.wire.send(dispatcher, Message(Kind.TAKE))
-                reply = self.wire.receive_from(dispatcher)
+                if asked is None:
+                    self.wire.send(dispatcher, Message(Kind.TAKE))
+                    asked = self.wire.expect(dispatcher, answer=True)
+                asked[1].wait()
+                reply, asked = Message.decode(asked[0]), None
             if reply.kind == Kind.DONE:
                 if self.replica:
                     self.replica.catch_up(reply.norm_sq)
                 break
+            if ahead:
+                self.wire.send(dispatcher, Message(Kind.TAKE))
+                asked = self.wire.expect(dispatcher, answer=True)
             least = reply.clock - self.bound if self.bound is not None else 0
-            versions = self.pull(reply.clock, least)
-            if versions is None:  # an earlier share, lost with a dead worker, comes first
+            if self.replica:  # hybrid: the share's first row request is its pull (`WorkerTables.gate`)
+                with self.clock.phase("push"):
+                    self.wire.settle()
+                self.tables.gate, versions = (reply.clock, least), None
+            else:
+                versions = self.pull(reply.clock, least)
+            if versions is None and not self.replica:  # an earlier share, lost with a dead worker, comes first
                 self.wire.send(dispatcher, Message(Kind.RETURN, clock=reply.clock, chunk=reply.chunk))
                 continue
             indices = segment.indices(reply.clock, reply.chunk)
@@ -87,7 +106,8 @@ class Worker:
 
     def pull(self, clock: int, least: int) -> list[int] | None:
         """Every server's shard, once its version is at least `least`: each server's version;
-        None when the dispatcher says to give the share of step `clock` back instead."""
+        None when the dispatcher says to give the share of step `clock` back instead. (Hybrid
+        servers hold no dense shard: their pull rides on the share's first row request.)"""
         with self.clock.phase("push"):
             self.wire.settle()
         with self.clock.phase("pull"):
@@ -110,12 +130,8 @@ class Worker:
                 retry = True
                 continue
             low, high = self.layout.shard(s)
-            if high > low:  # hybrid servers send no dense shard
-                payloads.append(self.wire.payload_from(servers[s], self.flat[low:high]))
+            payloads.append(self.wire.payload_from(servers[s], self.flat[low:high]))
             versions.append(reply.version)
-            if s == 0 and self.replica:
-                with self.clock.phase("compute"):
-                    self.replica.catch_up(reply.norm_sq)  # the previous step's norm (sync)
         for work in payloads:
             work.wait()
         return None if retry else versions
@@ -172,6 +188,7 @@ class Worker:
 
     def _commit(self, task: tuple[int, int, list[int]], samples: int, loss_sum: float, norm_sq: float) -> None:
         clock, chunk, versions = task
+        versions = versions or self.tables.versions  # hybrid: what the share's first row request heard
         commits = [Message(Kind.COMMIT, clock=clock, chunk=chunk, version=version, samples=samples,
                            oldest=min(versions), loss=loss_sum, norm_sq=norm_sq) for version in versions]
         for s in range(1, self.roles.servers):
