@@ -16,6 +16,7 @@ from gradmesh import config as configuration
 from gradmesh import env, workloads
 from gradmesh.fault import inplace
 from gradmesh.files import atomic_write
+from gradmesh.parallel import registry
 from gradmesh.parallel.registry import mesh_for
 from gradmesh.topology import local_device
 from gradmesh.loop.trainer import Trainer, init
@@ -61,7 +62,8 @@ def train(cfg: configuration.Config) -> dict:
     if session.identity != 0:
         sys.stdout, sys.stderr = RankPrefixed(sys.stdout, session.identity), RankPrefixed(sys.stderr, session.identity)
     run_dir = Path(cfg.run.dir)
-    workload = workload or workloads.build(cfg, session.device)
+    remote = "server" in registry.get(cfg.train.strategy).roles  # sparse tables live on the servers
+    workload = workload or workloads.build(cfg, session.device, remote_tables=remote)
     trainer = Trainer(session, workload.model, workload.loss_fn, workload.train_data, train=cfg.train,
                       checkpointing=cfg.checkpoint, run_dir=run_dir, eval_fn=workload.eval_fn,
                       quiet=cfg.run.quiet, run_info=run_info(cfg), criterion=workload.criterion,

@@ -108,12 +108,12 @@ def click_spec(cfg: Config) -> clicks.ClickSpec:
     return clicks.ClickSpec(rows=per_table, samples=cfg.model.samples, zipf=cfg.model.zipf)
 
 
-def recsys(cfg: Config, device: torch.device) -> Workload:
+def recsys(cfg: Config, device: torch.device, remote_tables: bool = False) -> Workload:
     from sklearn.metrics import log_loss, roc_auc_score
 
     spec = click_spec(cfg)
     train, held_out = clicks.generate(spec)
-    model = dlrm.DLRM(spec.rows, cfg.model.dim, clicks.DENSE, cfg.model.hidden)
+    model = dlrm.DLRM(spec.rows, cfg.model.dim, clicks.DENSE, cfg.model.hidden, materialize=not remote_tables)
     labels = held_out.clicks.numpy()
     ceiling = {"auc_ceiling": float(roc_auc_score(labels, held_out.truth.numpy())),
                "loss_ceiling": float(log_loss(labels, held_out.truth.numpy(), labels=[0, 1]))}
@@ -154,7 +154,11 @@ def recsys_optimizer(cfg: Config, model: dlrm.DLRM) -> tuple[type, dict]:
 BUILDERS = {"gpt-char": gpt_char, "mlp-digits": mlp_digits, "recsys": recsys}
 
 
-def build(cfg: Config, device: torch.device) -> Workload:
+def build(cfg: Config, device: torch.device, remote_tables: bool = False) -> Workload:
+    """`remote_tables`: the strategy keeps sparse tables on parameter servers, which make their
+    own rows (`model.init_rows`): the model's tables stay on the meta device, taking no memory."""
+    if cfg.model.name == "recsys":
+        return recsys(cfg, device, remote_tables)
     return BUILDERS[cfg.model.name](cfg, device)
 
 
@@ -167,7 +171,7 @@ def meta_model(cfg: Config) -> nn.Module:
                 vocab_size=len(vocab.chars), block_size=cfg.model.block_size, n_layer=cfg.model.n_layer,
                 n_head=cfg.model.n_head, n_embd=cfg.model.n_embd, bias=cfg.model.bias))
         if cfg.model.name == "recsys":
-            return dlrm.DLRM(click_spec(cfg).rows, cfg.model.dim, clicks.DENSE, cfg.model.hidden)
+            return dlrm.DLRM(click_spec(cfg).rows, cfg.model.dim, clicks.DENSE, cfg.model.hidden, materialize=False)
         return mlp.MLP(hidden=cfg.model.hidden)
 
 

@@ -15,19 +15,46 @@ def _mlp(widths: list[int], last_activation: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+CHUNK = 1 << 16
+"""Rows per independently seeded block of a table's initial values."""
+
+
 class DLRM(nn.Module):
     sparse = True
     """Its embedding tables train sparse: a batch touches a few of their rows (row-wise optimizer)."""
 
-    def __init__(self, rows: tuple[int, ...], dim: int, dense: int, hidden: int):
+    def __init__(self, rows: tuple[int, ...], dim: int, dense: int, hidden: int, materialize: bool = True):
+        """`materialize` False: the tables stay on the meta device (no memory) until
+        `materialize_tables`; whoever holds rows of them gets their initial values from `init_rows`."""
         super().__init__()
-        self.tables = nn.ModuleList(nn.Embedding(count, dim) for count in rows)
-        for table in self.tables:  # small initial vectors, as DLRM's uniform(±1/sqrt(rows)) keeps them
-            nn.init.normal_(table.weight, std=0.05)
+        self.table_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+        self.tables = nn.ModuleList(nn.Embedding(count, dim, device="meta") for count in rows)
+        if materialize:
+            self.materialize_tables()
         self.bottom = _mlp([dense, hidden, dim], last_activation=True)
         features = len(rows) + 1
         self.pairs = torch.triu_indices(features, features, offset=1, device="cpu")
         self.top = _mlp([dim + self.pairs.shape[1], hidden, 1], last_activation=False)
+
+    def init_rows(self, table: int, low: int, high: int) -> torch.Tensor:
+        """Initial rows [low, high) of a table, on the CPU: small vectors (std 0.05, as DLRM's
+        uniform(±1/sqrt(rows)) keeps them), drawn per block of CHUNK rows from a generator seeded
+        by the model's seed, the table and the block, so any range is made without the rest."""
+        dim = self.tables[table].embedding_dim
+        parts = []
+        for block in range(low // CHUNK, (high + CHUNK - 1) // CHUNK):
+            start, end = block * CHUNK, min((block + 1) * CHUNK, self.tables[table].num_embeddings)
+            seed = (self.table_seed + 1_000_003 * table + block) % 2**63
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+            values = torch.randn(end - start, dim, generator=generator, device="cpu") * 0.05
+            parts.append(values[max(low - start, 0):high - start])
+        return torch.cat(parts) if parts else torch.zeros(0, dim)
+
+    def materialize_tables(self) -> None:
+        """Every table whole, with its initial values."""
+        for t, table in enumerate(self.tables):
+            if table.weight.is_meta:
+                table.weight = nn.Parameter(self.init_rows(t, 0, table.num_embeddings))
 
     def lookups(self, dense: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
         """The ids each table (in `self.tables` order) looks up in `forward(dense, ids)`: what a

@@ -229,5 +229,11 @@ def server_ranks(cfg, world: int) -> list[int]:
 def apply_ps(model: nn.Module, topology, options) -> nn.Module:
     """Every rank keeps the plain model on its device: workers train it, servers mirror it for
     evaluation and checkpoints (`gradmesh.engine.ps`)."""
-    return model.to(topology.device)
+    return to_device(model, topology.device)
+
+
+def to_device(model: nn.Module, device) -> nn.Module:
+    """`model.to(device)`, leaving tensors on the meta device there (sparse tables the servers
+    make and hold: no rank allocates them whole)."""
+    return model._apply(lambda t: t if t.is_meta else t.to(device))
 

@@ -23,9 +23,11 @@ from gradmesh.engine.ps.server import Server
 from gradmesh.engine.ps.slots import OptimizerSlots
 from gradmesh.engine.ps.report import Done, Lookout, step_seconds
 from gradmesh.engine.ps.timing import roles_row
-from gradmesh.engine.ps.tables import TableShard, WorkerTables
+from gradmesh.engine.ps.lookup import WorkerTables
+from gradmesh.engine.ps.tables import TableShard
+from gradmesh.engine.ps.whole import WholeTables
 from gradmesh.engine.ps.worker import Worker, flat_views
-from gradmesh.parallel.ps import Roles, dense_parameters, layout_of, sparse_tables, table_rows
+from gradmesh.parallel.ps import Roles, dense_parameters, layout_of, sparse_tables, to_device
 from gradmesh.parallel.registry import Plan
 from gradmesh.topology import Topology
 
@@ -36,7 +38,7 @@ class ParameterServerEngine:
     def __init__(self, topology: Topology, plan: Plan, model: nn.Module, job: Job):
         self.topology, self.plan, self.job = topology, plan, job
         self.membership = job.membership
-        self.model = self.plain = model.to(topology.device)
+        self.model = self.plain = to_device(model, topology.device)
         self.slots = OptimizerSlots(job.optimizer_class, job.optimizer_kwargs)
         self.bound = job.ps.bound
         self.roles = Roles(topology.world_size, job.ps.servers)
@@ -52,7 +54,8 @@ class ParameterServerEngine:
         self.server = self.worker = self.optimizer = None
         if is_server:
             index = topology.rank - self.roles.workers
-            shards = [TableShard(table, self.roles.servers, index) for _, table in self.sparse]
+            shards = [TableShard(table, self.roles.servers, index, lambda low, high, t=t: model.init_rows(t, low, high),
+                                 topology.device) for t, (_, table) in enumerate(self.sparse)]
             self.server = Server(index, self.layout.shard(index), self.layout.buckets(index, bucket), self.flat,
                                  self.wire, job, self.bound, servers_group, shards, self.hybrid)
             self.optimizer = self.server.optimizer
@@ -62,6 +65,8 @@ class ParameterServerEngine:
             self.worker = Worker(self.roles, self.layout, model, [p for _, p in self.dense], self.flat, grads,
                                  self.wire, job, self.bound, bucket, topology.device, tables, replica)
             self.optimizer = replica.optimizer if replica else None
+        self.whole = WholeTables(self.sparse, self.roles, topology.device)
+        self.whole.release()  # no rank holds a whole table while training
         self.positioned = False
 
     def _connect(self, topology: Topology):
@@ -101,6 +106,7 @@ class ParameterServerEngine:
         """Point to point until every share of the segment is applied; workers that die meanwhile
         leave their shares to the others. What it did, for `report_segment`."""
         segment = Segment(batches, self.roles.workers)
+        self.whole.release()  # evaluation or a checkpoint may have gathered them
         log = None
         if self.server:
             if not self.positioned:  # versions count from the step the run starts at (0, or a checkpoint's)
@@ -213,14 +219,7 @@ class ParameterServerEngine:
         group = self.topology.group("world")
         for holder, low, high in self.dense_pieces():
             dist.broadcast(self.flat[low:high], src=holder, group=group)
-        for index, (_, table) in enumerate(self.sparse):
-            with torch.no_grad():
-                if self.server:
-                    shard = self.server.tables.shards[index]
-                    table.weight[shard.low:shard.high] = shard.weight
-                for s in range(self.roles.servers):
-                    low, high = table_rows(table.num_embeddings, self.roles.servers, s)
-                    dist.broadcast(table.weight.data[low:high], src=self.roles.server_rank(s), group=group)
+        self.whole.gather(self.server.tables.shards if self.server else None, group)
 
     def dense_pieces(self) -> list[tuple[int, int, int]]:
         """(rank, low, high): who holds which range of the dense flat vector and its optimizer
@@ -249,33 +248,17 @@ class ParameterServerEngine:
         names = [name for name, _ in self.dense]
         if for_load:
             optim = self.slots.template(self.dense)
-            optim["state"].update({f"{name}.weight": {"sum": torch.zeros(table.num_embeddings), "step": torch.tensor(0.0)}
-                                   for name, table in self.sparse})
+            optim["state"].update(self.whole.template())
+            self.whole.make_room()
             return {"model": get_model_state_dict(self.model), "optim": optim}
         self.refresh()
         holder = self.server or self.worker.replica
         slots = self.slots.gather(holder.optimizer.state.get(holder.param, {}) if holder else None,
                                   self.dense_pieces(), self.wire, self.flat)
         optim = self.slots.named(slots, names, self.layout)
-        optim["state"].update(self._table_state())
+        optim["state"].update(self.whole.state(self.server.tables.shards if self.server else None,
+                                                self.topology.group("world")))
         return {"model": get_model_state_dict(self.model), "optim": optim}
-
-    def _table_state(self) -> dict:
-        """Collective: each sparse table's row accumulators and update count, whole, on every rank."""
-        found, group = {}, self.topology.group("world")
-        for index, (name, table) in enumerate(self.sparse):
-            whole, step = torch.zeros(table.num_embeddings), torch.zeros((), dtype=torch.float64)
-            if self.server:
-                shard = self.server.tables.shards[index]
-                whole[shard.low:shard.high] = shard.accumulator
-                step.fill_(float(shard.updates))
-            for s in range(self.roles.servers):
-                low, high = table_rows(table.num_embeddings, self.roles.servers, s)
-                dist.broadcast(whole[low:high], src=self.roles.server_rank(s), group=group)
-            dist.broadcast(step, src=self.roles.server_rank(0), group=group)
-            if step.item():
-                found[f"{name}.weight"] = {"sum": whole, "step": step.float()}
-        return found
 
     def install_checkpoint(self, payload: dict) -> None:
         set_model_state_dict(self.model, payload["model"])
@@ -287,9 +270,4 @@ class ParameterServerEngine:
             if state:
                 holder.optimizer.state[holder.param] = state
         if self.server:
-            for shard, (name, table) in zip(self.server.tables.shards, self.sparse):
-                shard.weight.copy_(table.weight.detach()[shard.low:shard.high])
-                saved = payload["optim"]["state"].get(f"{name}.weight", {})
-                if "sum" in saved:
-                    shard.accumulator.copy_(saved["sum"][shard.low:shard.high])
-                    shard.updates = int(saved["step"].item())
+            self.whole.install(self.server.tables.shards, payload["optim"]["state"])

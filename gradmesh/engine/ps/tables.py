@@ -2,14 +2,10 @@
 with its row-wise Adagrad accumulators; a worker pulls only the rows its batch looks up and
 pushes only their gradients.
 
-Worker: a forward pre-hook on the model asks it which ids each table will look up
-(`model.lookups(*inputs)`), and pulls those rows of every table at once, one request per server
-(ROWS, the tables' rows numbered in one id space: `gradmesh.parallel.ps.TableSpace`), into the
-worker's copy of each table; one round trip per server and share, not one per table, since
-round trips, not bytes, bound a small share. The tables compute sparse gradients
-(`nn.Embedding(sparse=True)`), whose rows go back to their servers in one message each (GRADS)
-before the share's commit. Rows the batch does not touch are never moved, so a worker's copy is
-stale everywhere but where it looks.
+Worker (`gradmesh.engine.ps.lookup`): pulls the rows a share looks up (ROWS), every table's in
+one request per server (the tables' rows numbered in one id space:
+`gradmesh.parallel.ps.TableSpace`), and pushes their gradients back (GRADS) before the share's
+commit.
 
 Server: the pushed rows wait with their share; sync and ssp:0 sum a step's shares row by row and
 apply row-wise Adagrad to the touched rows (`gradmesh.optim.rowwise_adagrad`), which is exactly
@@ -29,15 +25,17 @@ from gradmesh.parallel.ps import TableSpace, table_rows
 class TableShard:
     """Server side: rows [low, high) of one table and their accumulators."""
 
-    def __init__(self, table: nn.Embedding, servers: int, server: int):
-        self.rows, self.servers = table.num_embeddings, servers
+    def __init__(self, table: nn.Embedding, servers: int, server: int, initial, device: torch.device):
+        """`initial(low, high)`: the table's initial rows (a model whose tables stay on the meta
+        device makes them itself, so no rank ever holds the whole table to start)."""
+        self.count, self.servers = table.num_embeddings, servers
         self.low, self.high = table_rows(table.num_embeddings, servers, server)
-        self.weight = table.weight.detach()[self.low:self.high].clone()
+        if table.weight.is_meta:
+            self.weight = initial(self.low, self.high).to(device)
+        else:
+            self.weight = table.weight.detach()[self.low:self.high].clone().to(device)
         self.accumulator = torch.zeros(self.high - self.low, dtype=self.weight.dtype, device=self.weight.device)
         self.updates = 0
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[ids - self.low].contiguous()
 
     def apply(self, rows: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         """One row-wise Adagrad update of these distinct rows."""
@@ -54,7 +52,7 @@ class ServerTables:
 
     def __init__(self, shards: list[TableShard], lr: float):
         self.shards, self.lr = shards, lr
-        self.space = TableSpace([s.rows for s in shards], shards[0].servers) if shards else None
+        self.space = TableSpace([s.count for s in shards], shards[0].servers) if shards else None
         self.receiving: dict[int, list] = {}
         """worker -> [(table, ids, gradient rows)] pushed for the share it has not committed yet."""
         self.done: dict[int, dict[int, list]] = {}
@@ -132,74 +130,3 @@ def payload_of(wire, source: int, count: int, dim: int, device, dtype=torch.floa
     if count:  # an empty request (hybrid: a pull with no rows of this server's) has no payload
         wire.payload_from(source, rows).wait()
     return rows
-
-
-class WorkerTables:
-    """Worker side: pull what the forward will look up, push the sparse gradients after backward."""
-
-    def __init__(self, model: nn.Module, tables: list[tuple[str, nn.Embedding]], roles, wire):
-        self.tables, self.roles, self.wire = [module for _, module in tables], roles, wire
-        self.clock = None
-        """The worker's `RoleClock` (its wait for rows is pull time)."""
-        self.space = TableSpace([module.num_embeddings for module in self.tables], roles.servers)
-        self.active = False
-        """Pull on lookup only while computing a share (evaluation uses the refreshed tables)."""
-        self.gate: tuple[int, int] | None = None
-        """Hybrid: (clock, least version) of a share whose first row request is its pull: every
-        server answers it once its version is at least `least` (as a PULL waits), with that version
-        (`versions`, for the commit) and, from the dispatcher, the previous step's global norm
-        (handed to `heard`)."""
-        self.versions: list[int] = []
-        self.heard = None
-        for module in self.tables:
-            module.sparse = True  # the gradient holds the looked-up rows only
-        model.register_forward_pre_hook(lambda module, inputs: self._pull(module.lookups(*inputs)))
-
-    def _pull(self, lookups: list[torch.Tensor]) -> None:
-        if not self.active:
-            return
-        wanted = [torch.unique(ids) for ids in lookups]
-        ids = torch.cat([found + self.space.offsets[t] for t, found in enumerate(wanted)])
-        gate, self.gate = self.gate, None
-        asked = self.space.by_server(ids, every=gate is not None)  # a pull: every server answers it
-        clock, least = gate or (0, 0)
-        for s, mine in asked:
-            count = int(mine.sum())
-            self.wire.send(self.roles.server_rank(s), Message(Kind.ROWS, clock=clock, version=least, samples=count),
-                           ids[mine] if count else None)
-        like = self.tables[0].weight
-        rows = torch.empty(len(ids), like.shape[1], dtype=like.dtype, device=like.device)
-        versions = []
-        with self.clock.phase("pull"):
-            for s, mine in asked:
-                server = self.roles.server_rank(s)
-                reply = self.wire.receive_from(server)
-                assert reply.kind == Kind.ROWS and reply.samples == int(mine.sum()), reply
-                rows[mine] = payload_of(self.wire, server, reply.samples, like.shape[1], like.device, like.dtype)
-                versions.append(reply.version)
-                if gate is not None and s == 0 and self.heard:
-                    self.heard(reply.norm_sq)
-        if gate is not None:
-            self.versions = versions
-        with torch.no_grad():
-            for module, found, part in zip(self.tables, wanted, rows.split([len(f) for f in wanted])):
-                module.weight[found] = part
-
-    def push(self) -> float:
-        """Every table's gradient rows to the servers holding them, one message per server (before
-        the share's commit); their sum of squares (for the global gradient norm)."""
-        ids, values = [], []
-        for t, module in enumerate(self.tables):
-            if module.weight.grad is not None:
-                grad = module.weight.grad.coalesce()
-                ids.append(grad.indices()[0] + self.space.offsets[t])
-                values.append(grad.values())
-                module.weight.grad = None
-        if not ids:
-            return 0.0
-        ids, values = torch.cat(ids), torch.cat(values)
-        for s, mine in self.space.by_server(ids):
-            server = self.roles.server_rank(s)
-            self.wire.send(server, Message(Kind.GRADS, samples=int(mine.sum())), ids[mine])
-            self.wire.send_payload(server, values[mine].contiguous())
-        return float(values.double().pow(2).sum())

@@ -1,0 +1,100 @@
+"""A parameter-server worker's side of the sparse tables: it holds no table, only the rows of
+the share it computes.
+
+A forward pre-hook on the model asks it which ids each table will look up
+(`model.lookups(*inputs)`) and pulls those rows of every table at once, one request per server
+(ROWS), since round trips, not bytes, bound a small share. Each table then looks up its rows in
+a block of just those rows (the table's weight for that forward, its ids mapped into the block),
+so backward leaves a dense gradient per block, whose rows go back to their servers in one
+message each (GRADS) before the share's commit. Between shares a table's weight is a
+placeholder on the meta device; evaluation and checkpoints put the whole table there for a
+while (`ParameterServerEngine.refresh`).
+"""
+
+import torch
+import torch.nn as nn
+
+from gradmesh.comm.ps_wire import Kind, Message
+from gradmesh.engine.ps.tables import payload_of
+from gradmesh.parallel.ps import TableSpace
+
+
+class WorkerTables:
+    def __init__(self, model: nn.Module, tables: list[tuple[str, nn.Embedding]], roles, wire):
+        self.tables, self.roles, self.wire = [module for _, module in tables], roles, wire
+        self.clock = None
+        """The worker's `RoleClock` (its wait for rows is pull time)."""
+        self.space = TableSpace([module.num_embeddings for module in self.tables], roles.servers)
+        self.active = False
+        """Pull on lookup only while computing a share (evaluation uses the refreshed tables)."""
+        self.gate: tuple[int, int] | None = None
+        """Hybrid: (clock, least version) of a share whose first row request is its pull: every
+        server answers it once its version is at least `least` (as a PULL waits), with that version
+        (`versions`, for the commit) and, from the dispatcher, the previous step's global norm
+        (handed to `heard`)."""
+        self.versions: list[int] = []
+        self.heard = None
+        self.blocks: list[list[tuple[torch.Tensor, nn.Parameter]]] = [[] for _ in self.tables]
+        """Per table, the (ids, rows) blocks of the share's micro-batches so far, in order."""
+        for index, module in enumerate(self.tables):
+            module.register_forward_pre_hook(lambda module, inputs, index=index: self._lookup(index, module, inputs[0]))
+        model.register_forward_pre_hook(lambda module, inputs: self._pull(module.lookups(*inputs)))
+
+    def _lookup(self, index: int, module: nn.Embedding, ids: torch.Tensor):
+        """The table looks up this micro-batch's block: its weight for now, the ids mapped into it."""
+        if not self.active:
+            return None
+        found, block = self.blocks[index][-1]
+        module.weight, module.sparse = block, False
+        return (torch.searchsorted(found, ids.contiguous()),)
+
+    def _pull(self, lookups: list[torch.Tensor]) -> None:
+        if not self.active:
+            return
+        wanted = [torch.unique(ids) for ids in lookups]
+        ids = torch.cat([found + self.space.offsets[t] for t, found in enumerate(wanted)])
+        gate, self.gate = self.gate, None
+        asked = self.space.by_server(ids, every=gate is not None)  # a pull: every server answers it
+        clock, least = gate or (0, 0)
+        for s, mine in asked:
+            count = int(mine.sum())
+            self.wire.send(self.roles.server_rank(s), Message(Kind.ROWS, clock=clock, version=least, samples=count),
+                           ids[mine] if count else None)
+        like = self.tables[0]
+        rows = torch.empty(len(ids), like.embedding_dim, device=lookups[0].device)
+        versions = []
+        with self.clock.phase("pull"):
+            for s, mine in asked:
+                server = self.roles.server_rank(s)
+                reply = self.wire.receive_from(server)
+                assert reply.kind == Kind.ROWS and reply.samples == int(mine.sum()), reply
+                rows[mine] = payload_of(self.wire, server, reply.samples, like.embedding_dim, rows.device, rows.dtype)
+                versions.append(reply.version)
+                if gate is not None and s == 0 and self.heard:
+                    self.heard(reply.norm_sq)
+        if gate is not None:
+            self.versions = versions
+        for blocks, found, part in zip(self.blocks, wanted, rows.split([len(f) for f in wanted])):
+            blocks.append((found, nn.Parameter(part)))
+
+    def push(self) -> float:
+        """Every table's gradient rows to the servers holding them, one message per server (before
+        the share's commit; a row several micro-batches looked up goes once, summed); their sum
+        of squares (for the global gradient norm)."""
+        ids, values = [], []
+        for t, blocks in enumerate(self.blocks):
+            for found, block in blocks:
+                if block.grad is not None:
+                    ids.append(found + self.space.offsets[t])
+                    values.append(block.grad)
+            blocks.clear()
+        if not ids:
+            return 0.0
+        ids, where = torch.unique(torch.cat(ids), return_inverse=True)
+        grads = torch.cat(values)
+        values = torch.zeros(len(ids), grads.shape[1], dtype=grads.dtype, device=grads.device).index_add_(0, where, grads)
+        for s, mine in self.space.by_server(ids):
+            server = self.roles.server_rank(s)
+            self.wire.send(server, Message(Kind.GRADS, samples=int(mine.sum())), ids[mine])
+            self.wire.send_payload(server, values[mine].contiguous())
+        return float(values.double().pow(2).sum())
