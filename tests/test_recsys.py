@@ -30,7 +30,7 @@ def test_recsys_trains_near_the_bayes_optimal_auc(catalogue):
     run = catalogue.run(2, *SMALL, tiny=False)
     found = summary(run)["eval"]
     assert 0.85 < found["auc_ceiling"] < 1.0
-    assert found["auc_ceiling"] - 0.03 <= found["auc"] <= found["auc_ceiling"]  # measured 0.022 below
+    assert found["auc_ceiling"] - 0.03 <= found["auc"] <= found["auc_ceiling"]  # measured 0.018 below
     assert found["loss"] < 0.5 * (found["loss_ceiling"] + 0.58)  # well below a constant click rate's 0.58
 
 
@@ -78,15 +78,6 @@ def test_two_ranks_train_the_single_process_model_tables_included(catalogue):
     """Data parallel recsys (dense table gradients all-reduced, row-wise Adagrad on every rank)
     equals one process: the reference the parameter-server paths will be held to."""
     assert rel_l2(weights(catalogue.run(2, *PARITY, tiny=False)), weights(catalogue.run(1, *PARITY, tiny=False))) <= 1e-5
-
-
-def test_the_tables_row_wise_state_resumes_under_another_strategy(catalogue, tmp_path):
-    """The step-10 checkpoint of the 2-rank run (row-wise accumulators included) resumed under
-    zero1 ends where one process does after 20 steps."""
-    split = copy_run(catalogue.run(2, *PARITY, tiny=False), tmp_path / "split")
-    checkpoint.checkpoint_root(split).joinpath("step-20").rename(split / "not-this-one")
-    train(split, 2, "--resume", "--strategy", "zero1", "--max-steps", "20", tiny=False)
-    assert rel_l2(weights(split), weights(catalogue.run(1, *PARITY, tiny=False))) <= 1e-5
 
 
 def test_the_summary_shows_each_metric_beside_its_ceiling():
@@ -166,12 +157,13 @@ def test_hybrid_keeps_tables_on_servers_and_all_reduces_the_dense_part_exactly(c
     assert sum(row["wire_bytes"] for row in metrics(run)) == wire_formula(run, 1, 2, dense_bytes=4, headers=2 + 1)
 
 
-def test_a_hybrid_checkpoint_resumes_under_data_parallelism(catalogue, tmp_path):
-    """The hybrid run's step-10 checkpoint (dense optimizer state from the workers, tables and
-    their accumulators from the server) resumed under ddp ends where one process does."""
+def test_a_hybrid_checkpoint_resumes_under_another_strategy(catalogue, tmp_path):
+    """The hybrid run's step-10 checkpoint (dense optimizer state from the workers, the tables and
+    their row-wise accumulators from the server) resumed under zero1 on 2 ranks ends where one
+    process does after 20 steps."""
     split = copy_run(catalogue.run(3, *HYBRID, tiny=False), tmp_path / "split")
     checkpoint.checkpoint_root(split).joinpath("step-20").rename(split / "not-this-one")
-    train(split, 2, "--resume", "--strategy", "ddp", "--max-steps", "20", tiny=False)
+    train(split, 2, "--resume", "--strategy", "zero1", "--max-steps", "20", tiny=False)
     assert rel_l2(weights(split), weights(catalogue.run(1, *PARITY, tiny=False))) <= 1e-5
 
 
@@ -179,8 +171,9 @@ def test_workers_never_hold_a_whole_table(catalogue):
     """With 2 million rows (122 MiB of tables) a hybrid worker's peak memory over its steps is
     within half the tables' bytes of the same job's at 4,000 rows: workers hold only the rows a
     share looks up. The server's peak grows by at least the tables' bytes (it holds them), so
-    the measurement does see tables where they are."""
-    big = ("--set", "model.rows=2000000", "--max-steps", "5")
+    the measurement does see tables where they are. (The large run's tables train in ssp:1:
+    no applied share is more than one step stale.)"""
+    big = ("--set", "model.rows=2000000", "--max-steps", "5", "--ps-mode", "ssp:1")
     small, large = catalogue.run(3, *HYBRID, tiny=False), catalogue.run(3, *HYBRID, *big, tiny=False)
     table_bytes = 2_000_000 * 16 * 4
 
@@ -190,3 +183,27 @@ def test_workers_never_hold_a_whole_table(catalogue):
     grown = [b - a for a, b in zip(peaks(small), peaks(large))]
     assert all(growth < table_bytes / 2 for growth in grown[:2]), grown
     assert grown[2] >= table_bytes, grown
+    assert max(row["staleness_max"] for row in metrics(large)) <= 1
+
+
+def test_any_row_range_of_a_table_is_made_alone_and_owned_by_one_server():
+    """A server makes its rows without the rest of the table: any range of `init_rows` equals
+    that slice of the whole table (across the 65,536-row blocks); and in the tables' one id space
+    every id belongs to the server whose row range of its table holds it."""
+    from gradmesh.models.dlrm import CHUNK, DLRM
+    from gradmesh.parallel.ps import TableSpace, table_rows
+
+    torch.manual_seed(0)
+    model = DLRM((3 * CHUNK + 5, 7), dim=4, dense=3, hidden=8)
+    whole = model.tables[0].weight.detach()
+    for low, high in ((0, 1), (CHUNK - 3, CHUNK + 2), (CHUNK + 1, 3 * CHUNK + 5)):
+        assert torch.equal(model.init_rows(0, low, high), whole[low:high])
+    assert not torch.equal(model.init_rows(1, 0, 7), whole[:7])  # each table its own values
+    rows, servers = [10, 7, 3], 3
+    space = TableSpace(rows, servers)
+    ids = torch.arange(sum(rows))
+    owner = {int(i): s for s, mask in space.by_server(ids) for i in ids[mask]}
+    for t, count in enumerate(rows):
+        for s in range(servers):
+            low, high = table_rows(count, servers, s)
+            assert all(owner[space.offsets[t] + r] == s for r in range(low, high))

@@ -52,7 +52,7 @@ class TrainConfig:
     """Decoupled weight decay (adamw) or L2 (sgd)."""
     momentum: float = 0.9
     """SGD momentum."""
-    table_lr: float = 0.2
+    table_lr: float = 0.1
     """Learning rate of the embedding tables, which train with row-wise Adagrad (recsys)."""
     warmup_steps: int = 20
     """Linear warm-up steps."""
