@@ -7,6 +7,9 @@ the services at once. Between segments nothing is in flight, so checkpoints, eva
 metrics gather see exactly the model after the segment's last step. Checkpoints hold the whole
 model and optimizer state under parameter names, as data parallelism writes them, so they
 reshard to another number of servers or to any other strategy.
+
+The hybrid strategy is this engine with the dense parameters kept on the workers and
+all-reduced among them (`gradmesh.engine.ps.hybrid`); its servers hold only the sparse tables.
 """
 
 import torch
