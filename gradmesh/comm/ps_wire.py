@@ -42,10 +42,13 @@ class Kind(IntEnum):
     RETURN = 10
     """worker -> dispatcher: I did not start the share (clock, chunk); hand it out again."""
     ROWS = 11
-    """worker -> server: these `samples` rows of table `bucket` (payload: their ids); the server
-    answers ROWS with the rows (payload)."""
+    """worker -> server: these `samples` rows (payload: their ids in the tables' one id space),
+    once the server's version is at least `version`; the server answers ROWS with the rows
+    (payload), its version and (the dispatcher, sync) the global norm of step `clock` - 1."""
     GRADS = 12
-    """worker -> server: gradients of `samples` rows of table `bucket` (payloads: ids, then rows)."""
+    """worker -> server: gradients of `samples` rows (payloads: their ids, then the rows)."""
+    FINISHED = 13
+    """worker -> server: my evaluation is done (the server stops answering its row requests)."""
 
 
 ANSWERS = 1

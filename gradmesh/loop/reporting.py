@@ -89,11 +89,16 @@ def evaluate(ctx: RunContext, eval_fn) -> dict:
     if eval_fn is None:
         return {}
     model = ctx.engine.eval_model()
+    if model is None:  # this rank serves the others' evaluation (a parameter server's tables)
+        return {}
     was_training = model.training
     model.eval()
     with torch.no_grad():
         metrics = eval_fn(model)
     model.train(was_training)
+    done = getattr(ctx.engine, "eval_done", None)  # engines whose evaluation others serve
+    if done:
+        done()
     return metrics
 
 

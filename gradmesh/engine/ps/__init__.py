@@ -15,17 +15,15 @@ all-reduced among them (`gradmesh.engine.ps.hybrid`); its servers hold only the 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from gradmesh.comm.ps_wire import Wire
+from gradmesh.comm.ps_wire import Kind, Message, Wire
 from gradmesh.data import GlobalBatch
-from gradmesh.engine.base import Job, StepOutcome, lr_factor, peak_memory_bytes
+from gradmesh.engine.base import Job, StepOutcome
 from gradmesh.engine.ps.hybrid import DenseReplica
 from gradmesh.engine.ps.segment import Dispatcher, Segment
 from gradmesh.engine.ps.server import Server
 from gradmesh.engine.ps.slots import OptimizerSlots
-from gradmesh.engine.ps.report import Done, Lookout, step_seconds
-from gradmesh.engine.ps.timing import roles_row
+from gradmesh.engine.ps.report import Done, Lookout, SegmentReport
 from gradmesh.engine.ps.lookup import WorkerTables
 from gradmesh.engine.ps.tables import TableShard
 from gradmesh.engine.ps.whole import WholeTables
@@ -35,7 +33,7 @@ from gradmesh.parallel.registry import Plan
 from gradmesh.topology import Topology
 
 
-class ParameterServerEngine:
+class ParameterServerEngine(SegmentReport):
     lockstep = False
 
     def __init__(self, topology: Topology, plan: Plan, model: nn.Module, job: Job):
@@ -137,77 +135,6 @@ class ParameterServerEngine:
             rows.append([clock, chunk, self.identities[worker], oldest, samples, loss])
         return torch.tensor(rows, dtype=torch.float64).reshape(-1, 6)
 
-    def report_segment(self, done: "Done") -> list[tuple[StepOutcome, float]]:
-        """Collective over every rank (after a regroup, the survivors): the segment's figures."""
-        roles = self._gather_roles(done)
-        log = self._gather_log(done)
-        return self._outcomes(done.segment, log, self._gather_stats(done), roles)
-
-    def _wait(self, work) -> None:
-        """A collective's wait; under in-place recovery it fails at once when a member is lost."""
-        if self.membership:
-            self.membership.wait(work)
-        else:
-            work.wait()
-
-    def _gather_roles(self, done: "Done") -> dict:
-        """Every rank's role breakdown of the segment (`gradmesh.engine.ps.timing`), per step."""
-        gathered = [torch.zeros_like(done.clock) for _ in range(self.topology.world_size)]
-        self._wait(dist.all_gather(gathered, done.clock, group=self.wire.header_group, async_op=True))
-        return roles_row([g.tolist() for g in gathered], len(done.segment.clocks))
-
-    def _gather_log(self, done: "Done") -> torch.Tensor:
-        log = done.log if done.log is not None else torch.zeros(done.segment.total_chunks, 6, dtype=torch.float64)
-        self._wait(dist.broadcast(log, src=self.roles.dispatcher, group=self.wire.header_group, async_op=True))
-        return log
-
-    def _gather_stats(self, done: "Done") -> torch.Tensor:
-        """Per step, over every server: staleness sum, count, max, when the step was applied, and
-        the bytes every rank sent in the segment (spread evenly over its steps)."""
-        clocks = done.segment.clocks
-        stats = torch.zeros(len(clocks), 5, dtype=torch.float64)
-        if done.stats is not None:
-            stats[:, :4] = torch.tensor([done.stats[clock] for clock in clocks], dtype=torch.float64)
-        group = self.wire.header_group
-        sums = torch.cat([stats[:, :2].reshape(-1), torch.tensor([float(done.sent)], dtype=torch.float64)])
-        highs = stats[:, 2:4].contiguous()
-        self._wait(dist.all_reduce(sums, group=group, async_op=True))
-        self._wait(dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=group, async_op=True))
-        stats[:, :2], stats[:, 2:4] = sums[:-1].view(-1, 2), highs
-        total, steps = int(sums[-1].item()), len(clocks)  # whole bytes per row, summing to the segment's
-        stats[:, 4] = torch.tensor([total // steps + (i < total % steps) for i in range(steps)], dtype=torch.float64)
-        return stats
-
-    def _outcomes(self, segment: Segment, log: torch.Tensor, stats: torch.Tensor, roles: dict):
-        """Each step as this rank reports it: the shares its worker computed (from the
-        dispatcher's log); the dispatcher also reports those of workers that died."""
-        held = self.state_bytes()
-        peak = peak_memory_bytes(self.topology.device)
-        me = self.identities[self.topology.rank]
-        reports_lost = self.topology.rank == self.roles.dispatcher
-        mine: dict[int, list] = {clock: [] for clock in segment.clocks}
-        for clock, chunk, worker, version, samples, loss in log.tolist():
-            if worker == me or (reports_lost and worker not in self.identities):
-                mine[int(clock)].append((int(chunk), int(worker), int(version), int(samples), loss))
-        found, seconds = [], step_seconds(segment.started, stats[:, 3].tolist())
-        for i, batch in enumerate(segment.batches):
-            shares = mine[batch.step]
-            own = [s for s in shares if s[1] == me]
-            lost = [{"worker": w, "indices": segment.indices(batch.step, c), "version": v} for c, w, v, _, _ in shares
-                    if w != me]
-            stale_sum, count, stale_max, _, wire = stats[i].tolist()
-            figures = torch.tensor([sum(s[4] for s in shares), sum(s[3] for s in shares), held, peak], dtype=torch.float64)
-            lr = self.job.optimizer_kwargs["lr"] * lr_factor(batch.step, self.job.train)
-            detail = {"versions": [v for _, _, v, _, _ in own]} if self.worker else {}
-            if lost:
-                detail["lost_workers"] = lost
-            indices = [i for c, _, _, _, _ in own for i in segment.indices(batch.step, c)]
-            outcome = StepOutcome(batch, lr, indices, figures,
-                                  row={"staleness_max": int(stale_max), "staleness_mean": stale_sum / max(count, 1),
-                                       "wire_bytes": int(wire), "roles": roles}, detail=detail)
-            found.append((outcome, seconds[i]))
-        return found
-
     def state_bytes(self) -> int:
         if self.server:
             return self.server.state_bytes()
@@ -218,11 +145,15 @@ class ParameterServerEngine:
     # -- the whole model: evaluation, checkpoints, final weights ---------------------------------
 
     def refresh(self) -> None:
-        """Collective: every rank's model gets the servers' current parameters, tables included."""
+        """Collective: every rank's dense parameters are the current ones (tables: `WholeTables`)."""
         group = self.topology.group("world")
         for holder, low, high in self.dense_pieces():
             dist.broadcast(self.flat[low:high], src=holder, group=group)
-        self.whole.gather(self.server.tables.shards if self.server else None, group)
+
+    def _model_state(self, tables: bool) -> dict[str, torch.Tensor]:
+        """The model's state dict; the sparse tables' entries only where `tables` (whole there)."""
+        skip = set() if tables else self.whole.keys()
+        return {name: value for name, value in self.model.state_dict().items() if name not in skip}
 
     def dense_pieces(self) -> list[tuple[int, int, int]]:
         """(rank, low, high): who holds which range of the dense flat vector and its optimizer
@@ -231,13 +162,37 @@ class ParameterServerEngine:
             return [(0, 0, self.flat.numel())]
         return [(self.roles.server_rank(s), *self.layout.shard(s)) for s in range(self.roles.servers)]
 
-    def eval_model(self) -> nn.Module:
+    def eval_model(self) -> nn.Module | None:
+        """Collective. With sparse tables only rank 0 evaluates: its tables pull the rows each
+        batch looks up, which the servers answer until it is done (`eval_done`); the others
+        return None. Without tables every rank evaluates the refreshed model."""
         self.refresh()
+        if not self.sparse:
+            return self.model
+        if self.server:
+            self.server.serve_lookups(self.roles.workers)
+            return None
+        if self.topology.rank != 0:
+            return None
+        self.worker.tables.evaluating = True
         return self.model
 
+    def eval_done(self) -> None:
+        if self.sparse and self.worker and self.topology.rank == 0:
+            self.worker.tables.evaluating = False
+            for s in range(self.roles.servers):
+                self.wire.send(self.roles.server_rank(s), Message(Kind.FINISHED))
+            self.wire.settle()
+            self.whole.release()
+
     def full_state(self) -> dict[str, torch.Tensor]:
+        """Collective: the whole model on rank 0 (the tables collected there alone)."""
         self.refresh()
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        me = self.topology.rank
+        self.whole.collect(self.server.tables.shards if self.server else None, 0, me, self.topology.group("world"))
+        state = {name: value.detach().cpu() for name, value in self._model_state(tables=me == 0).items()}
+        self.whole.release()
+        return state
 
     def replica(self) -> None:
         return None  # servers hold shards; workers' copies differ between pulls
@@ -249,22 +204,26 @@ class ParameterServerEngine:
         """Collective: {"model", "optim"} under parameter names, whole tensors, as ddp writes them
         (a sparse table's state as row-wise Adagrad keeps it: "sum" per row and "step")."""
         names = [name for name, _ in self.dense]
-        if for_load:
+        if for_load:  # the servers load the tables whole and keep their ranges (`install_checkpoint`)
             optim = self.slots.template(self.dense)
-            optim["state"].update(self.whole.template())
-            self.whole.make_room()
-            return {"model": get_model_state_dict(self.model), "optim": optim}
+            if self.server:
+                optim["state"].update(self.whole.template())
+                self.whole.make_room()
+            return {"model": self._model_state(tables=bool(self.server)), "optim": optim}
         self.refresh()
         holder = self.server or self.worker.replica
         slots = self.slots.gather(holder.optimizer.state.get(holder.param, {}) if holder else None,
                                   self.dense_pieces(), self.wire, self.flat)
         optim = self.slots.named(slots, names, self.layout)
-        optim["state"].update(self.whole.state(self.server.tables.shards if self.server else None,
-                                                self.topology.group("world")))
-        return {"model": get_model_state_dict(self.model), "optim": optim}
+        # the tables whole on the first server alone: its part of the checkpoint holds them
+        first, me, shards = self.roles.server_rank(0), self.topology.rank, self.server and self.server.tables.shards
+        self.whole.collect(shards, first, me, self.topology.group("world"))
+        optim["state"].update(self.whole.state(shards, first, me, self.topology.group("world")))
+        return {"model": self._model_state(tables=me == first), "optim": optim}
 
     def install_checkpoint(self, payload: dict) -> None:
-        set_model_state_dict(self.model, payload["model"])
+        missing, _ = self.model.load_state_dict(payload["model"], strict=False)
+        assert set(missing) <= self.whole.keys(), missing  # only the tables, which workers do not load
         holder = self.server or self.worker.replica
         if holder:
             names = [name for name, _ in self.dense]

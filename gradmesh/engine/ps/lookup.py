@@ -26,7 +26,9 @@ class WorkerTables:
         """The worker's `RoleClock` (its wait for rows is pull time)."""
         self.space = TableSpace([module.num_embeddings for module in self.tables], roles.servers)
         self.active = False
-        """Pull on lookup only while computing a share (evaluation uses the refreshed tables)."""
+        """Pull on lookup while computing a share..."""
+        self.evaluating = False
+        """...or evaluating (only the latest block kept, no gradients)."""
         self.gate: tuple[int, int] | None = None
         """Hybrid: (clock, least version) of a share whose first row request is its pull: every
         server answers it once its version is at least `least` (as a PULL waits), with that version
@@ -42,15 +44,18 @@ class WorkerTables:
 
     def _lookup(self, index: int, module: nn.Embedding, ids: torch.Tensor):
         """The table looks up this micro-batch's block: its weight for now, the ids mapped into it."""
-        if not self.active:
+        if not (self.active or self.evaluating):
             return None
         found, block = self.blocks[index][-1]
         module.weight, module.sparse = block, False
         return (torch.searchsorted(found, ids.contiguous()),)
 
     def _pull(self, lookups: list[torch.Tensor]) -> None:
-        if not self.active:
+        if not (self.active or self.evaluating):
             return
+        if self.evaluating:
+            for blocks in self.blocks:
+                blocks.clear()
         wanted = [torch.unique(ids) for ids in lookups]
         ids = torch.cat([found + self.space.offsets[t] for t, found in enumerate(wanted)])
         gate, self.gate = self.gate, None

@@ -1,11 +1,15 @@
 """What a segment leaves for its report: a rank's figures of the work (`Done`), a server's view
-of workers dying (`Lookout`), and each step's share of the segment's time."""
+of workers dying (`Lookout`), each step's share of the segment's time, and the report itself
+(`SegmentReport`, the engine's half that turns them into each step's outcome)."""
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from gradmesh.engine.base import StepOutcome, lr_factor, peak_memory_bytes
 from gradmesh.engine.ps.segment import Segment
+from gradmesh.engine.ps.timing import roles_row
 
 
 @dataclass
@@ -60,3 +64,80 @@ def step_seconds(started: float, applied: list[float]) -> list[float]:
         seconds, steps = groups.pop(0)
         groups[0][1] += steps
     return [max(seconds / steps, 1e-9) for seconds, steps in groups for _ in range(steps)]
+
+
+class SegmentReport:
+    """The parameter-server engine's report of a segment: collective over every rank (after a
+    regroup, the survivors), each step as this rank reports it to the services."""
+
+    def report_segment(self, done: "Done") -> list[tuple[StepOutcome, float]]:
+        """Collective over every rank (after a regroup, the survivors): the segment's figures."""
+        roles = self._gather_roles(done)
+        log = self._gather_log(done)
+        return self._outcomes(done.segment, log, self._gather_stats(done), roles)
+
+    def _wait(self, work) -> None:
+        """A collective's wait; under in-place recovery it fails at once when a member is lost."""
+        if self.membership:
+            self.membership.wait(work)
+        else:
+            work.wait()
+
+    def _gather_roles(self, done: "Done") -> dict:
+        """Every rank's role breakdown of the segment (`gradmesh.engine.ps.timing`), per step."""
+        gathered = [torch.zeros_like(done.clock) for _ in range(self.topology.world_size)]
+        self._wait(dist.all_gather(gathered, done.clock, group=self.wire.header_group, async_op=True))
+        return roles_row([g.tolist() for g in gathered], len(done.segment.clocks))
+
+    def _gather_log(self, done: "Done") -> torch.Tensor:
+        log = done.log if done.log is not None else torch.zeros(done.segment.total_chunks, 6, dtype=torch.float64)
+        self._wait(dist.broadcast(log, src=self.roles.dispatcher, group=self.wire.header_group, async_op=True))
+        return log
+
+    def _gather_stats(self, done: "Done") -> torch.Tensor:
+        """Per step, over every server: staleness sum, count, max, when the step was applied, and
+        the bytes every rank sent in the segment (spread evenly over its steps)."""
+        clocks = done.segment.clocks
+        stats = torch.zeros(len(clocks), 5, dtype=torch.float64)
+        if done.stats is not None:
+            stats[:, :4] = torch.tensor([done.stats[clock] for clock in clocks], dtype=torch.float64)
+        group = self.wire.header_group
+        sums = torch.cat([stats[:, :2].reshape(-1), torch.tensor([float(done.sent)], dtype=torch.float64)])
+        highs = stats[:, 2:4].contiguous()
+        self._wait(dist.all_reduce(sums, group=group, async_op=True))
+        self._wait(dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=group, async_op=True))
+        stats[:, :2], stats[:, 2:4] = sums[:-1].view(-1, 2), highs
+        total, steps = int(sums[-1].item()), len(clocks)  # whole bytes per row, summing to the segment's
+        stats[:, 4] = torch.tensor([total // steps + (i < total % steps) for i in range(steps)], dtype=torch.float64)
+        return stats
+
+    def _outcomes(self, segment: Segment, log: torch.Tensor, stats: torch.Tensor, roles: dict):
+        """Each step as this rank reports it: the shares its worker computed (from the
+        dispatcher's log); the dispatcher also reports those of workers that died."""
+        held = self.state_bytes()
+        peak = peak_memory_bytes(self.topology.device)
+        me = self.identities[self.topology.rank]
+        reports_lost = self.topology.rank == self.roles.dispatcher
+        mine: dict[int, list] = {clock: [] for clock in segment.clocks}
+        for clock, chunk, worker, version, samples, loss in log.tolist():
+            if worker == me or (reports_lost and worker not in self.identities):
+                mine[int(clock)].append((int(chunk), int(worker), int(version), int(samples), loss))
+        found, seconds = [], step_seconds(segment.started, stats[:, 3].tolist())
+        for i, batch in enumerate(segment.batches):
+            shares = mine[batch.step]
+            own = [s for s in shares if s[1] == me]
+            lost = [{"worker": w, "indices": segment.indices(batch.step, c), "version": v} for c, w, v, _, _ in shares
+                    if w != me]
+            stale_sum, count, stale_max, _, wire = stats[i].tolist()
+            figures = torch.tensor([sum(s[4] for s in shares), sum(s[3] for s in shares), held, peak], dtype=torch.float64)
+            lr = self.job.optimizer_kwargs["lr"] * lr_factor(batch.step, self.job.train)
+            detail = {"versions": [v for _, _, v, _, _ in own]} if self.worker else {}
+            if lost:
+                detail["lost_workers"] = lost
+            indices = [i for c, _, _, _, _ in own for i in segment.indices(batch.step, c)]
+            outcome = StepOutcome(batch, lr, indices, figures,
+                                  row={"staleness_max": int(stale_max), "staleness_mean": stale_sum / max(count, 1),
+                                       "wire_bytes": int(wire), "roles": roles}, detail=detail)
+            found.append((outcome, seconds[i]))
+        return found
+

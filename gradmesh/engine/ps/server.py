@@ -111,6 +111,19 @@ class Server(Applying):
             if worker in self.receiving:
                 self.spare.append(self.receiving.pop(worker))
 
+    def serve_lookups(self, workers: int) -> None:
+        """Evaluation: answer row requests at once until a worker says it is done (the dispatcher
+        is not involved; nothing changes)."""
+        while True:
+            source, message = self.wire.receive_any()
+            if message.kind == Kind.FINISHED:
+                break
+            if message.kind != Kind.ROWS:
+                raise RuntimeError(f"parameter server {self.index}: unexpected {message.kind.name} during evaluation")
+            ids = self.tables.message(self.wire, source, message)
+            self.tables.answer(self.wire, source, ids, self.version, 0.0)
+        self.wire.settle()
+
     def _served(self) -> bool:
         if self.applied < self.segment.total_chunks:
             return False

@@ -1,12 +1,14 @@
-"""The sparse tables whole, for the moments that need them: evaluation, checkpoints and the
-final weights, which read the model as data parallelism holds it (every table whole, under its
-parameter name) so that they reshard to any strategy.
+"""The sparse tables whole, for the moments that need them: checkpoints and the final weights,
+which hold the model as data parallelism does (every table whole, under its parameter name) so
+that they reshard to any strategy.
 
-While training no rank holds a whole table: servers hold their row ranges
+No rank holds a whole table while training: servers hold their row ranges
 (`gradmesh.engine.ps.tables.TableShard`), workers the rows of the share they compute
-(`gradmesh.engine.ps.lookup`), and each table's weight in the model is a placeholder on the
-meta device. `gather` puts the whole tables in every rank's model from the servers' ranges
-(collective); `release` puts the placeholders back once training goes on.
+(`gradmesh.engine.ps.lookup`; also when they evaluate), and each table's weight in the model is
+a placeholder on the meta device. A checkpoint collects the whole tables on the first server
+alone (its shard of the checkpoint holds them), a resume loads them whole on the servers,
+which keep their ranges, and the final export collects them on rank 0, which writes the model
+file; `release` puts the placeholders back.
 """
 
 import torch
@@ -31,31 +33,43 @@ class WholeTables:
             if table.weight.is_meta or table.weight.shape[0] != table.num_embeddings:
                 table.weight = nn.Parameter(torch.empty(table.num_embeddings, table.embedding_dim, device=self.device))
 
-    def gather(self, shards: list | None, group) -> None:
-        """Collective: every table whole in every rank's model (`shards`: a server's own ranges)."""
-        self.make_room()
-        for index, (_, table) in enumerate(self.tables):
-            with torch.no_grad():
-                if shards:
-                    table.weight[shards[index].low:shards[index].high] = shards[index].weight
-                for s in range(self.roles.servers):
-                    low, high = table_rows(table.num_embeddings, self.roles.servers, s)
-                    dist.broadcast(table.weight.data[low:high], src=self.roles.server_rank(s), group=group)
+    def keys(self) -> set[str]:
+        return {f"{name}.weight" for name, _ in self.tables}
 
-    def state(self, shards: list | None, group) -> dict:
-        """Collective: each table's row accumulators and update count, whole, on every rank."""
-        found = {}
-        for index, (name, table) in enumerate(self.tables):
-            whole, step = torch.zeros(table.num_embeddings), torch.zeros((), dtype=torch.float64)
-            if shards:
-                whole[shards[index].low:shards[index].high] = shards[index].accumulator
-                step.fill_(float(shards[index].updates))
+    def collect(self, shards: list | None, to: int, me: int, group) -> None:
+        """Collective over the servers and rank `to`: every table whole in `to`'s model, from the
+        servers' ranges (`shards`: this rank's, if it is a server)."""
+        if me == to:
+            self.make_room()
+        for index, (_, table) in enumerate(self.tables):
             for s in range(self.roles.servers):
                 low, high = table_rows(table.num_embeddings, self.roles.servers, s)
-                dist.broadcast(whole[low:high], src=self.roles.server_rank(s), group=group)
-            dist.broadcast(step, src=self.roles.server_rank(0), group=group)
-            if step.item():
-                found[f"{name}.weight"] = {"sum": whole, "step": step.float()}
+                source = self.roles.server_rank(s)
+                if me == source == to:
+                    with torch.no_grad():
+                        table.weight[low:high] = shards[index].weight
+                elif me == source:
+                    dist.send(shards[index].weight.contiguous(), dst=to, group=group)
+                elif me == to:
+                    dist.recv(table.weight.data[low:high], src=source, group=group)
+
+    def state(self, shards: list | None, to: int, me: int, group) -> dict:
+        """Collective over the servers: each table's row accumulators and update count, whole, on
+        server rank `to` ({} elsewhere)."""
+        found = {}
+        for index, (name, table) in enumerate(self.tables):
+            whole = torch.zeros(table.num_embeddings) if me == to else None
+            for s in range(self.roles.servers):
+                low, high = table_rows(table.num_embeddings, self.roles.servers, s)
+                source = self.roles.server_rank(s)
+                if me == source == to:
+                    whole[low:high] = shards[index].accumulator
+                elif me == source:
+                    dist.send(shards[index].accumulator.contiguous(), dst=to, group=group)
+                elif me == to:
+                    dist.recv(whole[low:high], src=source, group=group)
+            if me == to and shards[index].updates:
+                found[f"{name}.weight"] = {"sum": whole, "step": torch.tensor(float(shards[index].updates))}
         return found
 
     def template(self) -> dict:
