@@ -12,17 +12,23 @@ The same for ps sync, 1 server + 2 workers (`--strategy ps`, the tables row-shar
 server), and hybrid sync, 1 server + 2 workers (`--strategy hybrid`: the tables on the server,
 the dense layers all-reduced between the workers): bytes are what every rank sent per step (the
 `wire_bytes` column of metrics.jsonl; hybrid's all-reduce counted as the buffer handed to it).
+Memory per rank two ways, over the training steps: peak RSS (what each rank reports; it counts
+in full the shared libraries every rank maps, torch's above all) and peak private memory (the
+pages the rank holds itself, sampled from /proc/PID/smaps_rollup every 50 ms).
 """
 
 import argparse
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from bench_ps import train
 
 HERE = Path(__file__).parent
 SIZES = (10**5, 10**6, 10**7)
@@ -50,10 +56,59 @@ def params(rows: int) -> int:
     return sum(p.numel() for p in workloads.meta_model(cfg).parameters())
 
 
+def private_bytes(pid: int) -> int:
+    """What a process holds itself (USS: its private pages), without the shared libraries every
+    rank maps (torch's, which its RSS counts in full)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    return sum(int(fields[key].split()[0]) * 1024 for key in ("Private_Clean", "Private_Dirty"))
+
+
+def workers_of(run_dir: str) -> dict[int, int]:
+    """rank -> pid of the job's worker processes (found by their config path)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and run_dir in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                env = dict(item.split("=", 1) for item in (proc / "environ").read_bytes().decode().split("\0") if "=" in item)
+                if "RANK" in env and "gradmesh.worker" in (proc / "cmdline").read_bytes().decode():
+                    found[int(env["RANK"])] = int(proc.name)
+        except OSError:
+            continue
+    return found
+
+
+def train(nproc: int, steps: int, *extra: str) -> tuple[list[dict], list[int]]:
+    """Metrics rows of a run, and each rank's peak private memory sampled every 50 ms until its
+    last step's row is written (the final export, which collects whole tables on rank 0, after)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        metrics, peaks = Path(run_dir) / "metrics.jsonl", [0] * nproc
+        cmd = [sys.executable, "-m", "gradmesh", "train", "--nproc", str(nproc), "--max-steps", str(steps),
+               "--global-batch-size", str(BATCH), "--run-dir", run_dir, "--quiet", *extra]
+        job, stop = subprocess.Popen(cmd), threading.Event()
+
+        def sample():
+            while not stop.wait(0.05):
+                if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+                    return
+                for rank, pid in workers_of(run_dir).items():
+                    try:
+                        peaks[rank] = max(peaks[rank], private_bytes(pid))
+                    except (OSError, KeyError, ValueError):
+                        pass
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        if job.wait():
+            raise subprocess.CalledProcessError(job.returncode, cmd)
+        stop.set()
+        sampler.join()
+        return [json.loads(line) for line in metrics.read_text().splitlines()], peaks
+
+
 def measure(rows: int, strategy: str, args) -> dict:
     nproc = 2 if strategy == "ddp" else 3
-    found = train(nproc, args.steps, BATCH, "--model", "recsys", "--set", f"model.rows={rows}", "--set",
-                  "model.samples=200000", "--strategy", strategy)
+    found, private = train(nproc, args.steps, "--model", "recsys", "--set", f"model.rows={rows}", "--set",
+                           "model.samples=200000", "--strategy", strategy)
     steady = found[args.warmup:]
     step_s = statistics.median(r["step_time_s"] for r in steady)
     ring = 2 * (2 - 1) / 2
@@ -62,6 +117,7 @@ def measure(rows: int, strategy: str, args) -> dict:
     return {"rows": rows, "strategy": strategy, "samples_per_s": BATCH / step_s, "step_s": step_s, "sent_bytes": sent,
             "formula_bytes": ring * 4 * params(rows), "table_bytes": 4 * rows * DIM,
             "peak_bytes": [max(r["peak_memory_bytes"][i] for r in steady) for i in range(nproc)],
+            "private_bytes": private,
             "touched_rows": touched_rows(rows)}
 
 
@@ -75,7 +131,7 @@ def main() -> None:
     table = Table(title="recsys, ddp on 2 ranks (dense table gradients), ps and hybrid sync (1 server + 2 workers), "
                         "batch 512")
     for column in ("table rows", "strategy", "samples/s", "vs ddp", "bytes/step", "ddp formula 2(n-1)/n x 4P",
-                   "rows touched/step", "peak memory/rank", "tables"):
+                   "rows touched/step", "peak memory/rank", "private/rank", "tables"):
         table.add_column(column, justify="right")
     for row in result:
         ddp = next(r for r in result if r["rows"] == row["rows"] and r["strategy"] == "ddp")
@@ -83,6 +139,7 @@ def main() -> None:
                       f"{row['samples_per_s'] / ddp['samples_per_s']:.1f}x", f"{row['sent_bytes'] / 1e6:,.2f} MB",
                       f"{row['formula_bytes'] / 1e6:,.1f} MB", f"{row['touched_rows']:,.0f}",
                       ", ".join(f"{b / 2**20:,.0f}" for b in row["peak_bytes"]) + " MiB",
+                      ", ".join(f"{b / 2**20:,.0f}" for b in row["private_bytes"]) + " MiB",
                       f"{row['table_bytes'] / 2**20:,.0f} MiB")
     Console().print(table)
     (HERE / "results").mkdir(exist_ok=True)
