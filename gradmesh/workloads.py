@@ -109,17 +109,21 @@ def click_spec(cfg: Config) -> clicks.ClickSpec:
 
 
 def recsys(cfg: Config, device: torch.device, remote_tables: bool = False) -> Workload:
-    from sklearn.metrics import log_loss, roc_auc_score
-
     spec = click_spec(cfg)
     train, held_out = clicks.generate(spec)
     model = dlrm.DLRM(spec.rows, cfg.model.dim, clicks.DENSE, cfg.model.hidden, materialize=not remote_tables)
     labels = held_out.clicks.numpy()
-    ceiling = {"auc_ceiling": float(roc_auc_score(labels, held_out.truth.numpy())),
-               "loss_ceiling": float(log_loss(labels, held_out.truth.numpy(), labels=[0, 1]))}
     batch = max(cfg.train.global_batch_size, 4096)
+    ceiling: dict[str, float] = {}
 
     def evaluate(net):
+        # scikit-learn is imported (and the ceilings computed) by the ranks that evaluate only:
+        # its import alone takes ~74 MB, which a parameter server or a worker under ps need not hold
+        from sklearn.metrics import log_loss, roc_auc_score
+
+        if not ceiling:
+            ceiling.update(auc_ceiling=float(roc_auc_score(labels, held_out.truth.numpy())),
+                           loss_ceiling=float(log_loss(labels, held_out.truth.numpy(), labels=[0, 1])))
         logits = []
         for start in range(0, len(held_out), batch):
             dense, ids, _ = fetch(held_out, list(range(start, min(start + batch, len(held_out)))))

@@ -83,11 +83,15 @@ def generate(spec: ClickSpec) -> tuple[ClickLog, ClickLog]:
     ids = torch.empty_like(ranks)
     for t, rows in enumerate(spec.rows):
         # Per-rank truth drawn table by table (memory: a few floats per row of one table at a time).
-        fade = 1.0 / (1.0 + torch.arange(rows, dtype=torch.float32) / POPULAR)
-        own = torch.randn(rows, generator=generator) * fade * (2.0 / math.sqrt(tables))
-        shared = torch.randn(rows, generator=generator) * fade * (2.0 / pairs**0.25)
+        # (in place: every rank makes the log, and a table of 10^7 rows is 40 MB per float array)
+        fade = torch.arange(rows, dtype=torch.float32).div_(POPULAR).add_(1.0).reciprocal_()
+        own = torch.randn(rows, generator=generator).mul_(fade).mul_(2.0 / math.sqrt(tables))
         logit += own[ranks[:, t]]
+        del own
+        shared = torch.randn(rows, generator=generator).mul_(fade).mul_(2.0 / pairs**0.25)
+        del fade
         term = shared[ranks[:, t]]
+        del shared
         interaction += side * term  # Σ_{u<t} c_u c_t, accumulated as Σ_t c_t (Σ_{u<t} c_u)
         side += term
         ids[:, t] = torch.randperm(rows, generator=generator)[ranks[:, t]]  # popular ids scattered over the table
