@@ -58,7 +58,7 @@ class WholeTables:
         server rank `to` ({} elsewhere)."""
         found = {}
         for index, (name, table) in enumerate(self.tables):
-            whole = torch.zeros(table.num_embeddings) if me == to else None
+            whole = torch.zeros(table.num_embeddings, device=self.device) if me == to else None  # NCCL: on the GPU
             for s in range(self.roles.servers):
                 low, high = table_rows(table.num_embeddings, self.roles.servers, s)
                 source = self.roles.server_rank(s)
