@@ -57,6 +57,8 @@ CASES = {
     "recsys tables without a row each": (["--model", "recsys", "--set", "model.rows=4"], ["model.rows=4", "model.tables"]),
     "recsys log beyond memory": (["--model", "recsys", "--set", "model.samples=2000000000"], ["model.samples=2,000,000,000", "at most"]),
     "recsys tables beyond memory": (["--model", "recsys", "--set", "model.rows=2000000000"], ["does not fit", "model.rows"]),
+    "compression under fsdp": (["--strategy", "fsdp", "--nproc", "2", "--compression", "fp16"],
+                               ["--compression fp16", "not to fsdp", "ddp"]),
     "hybrid without tables": (["--strategy", "hybrid", "--nproc", "3", "--model", "mlp-digits", "--global-batch-size", "32"],
                               ["--strategy hybrid", "mlp-digits has none", "recsys"]),
     "hybrid tables async": (["--strategy", "hybrid", "--nproc", "3", "--model", "recsys", "--ps-mode", "async",

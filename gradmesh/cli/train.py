@@ -60,6 +60,8 @@ def _add_how_options(train: argparse.ArgumentParser) -> None:
     how.add_argument("--global-batch-size", type=integer, metavar="B", help="samples per optimizer step over all ranks (default 32)")
     how.add_argument("--grad-accum", type=integer, metavar="K", help="micro-batches per rank per step (default 1)")
     how.add_argument("--optimizer", choices=configuration.OPTIMIZERS, help="default adamw")
+    how.add_argument("--compression", choices=configuration.COMPRESSIONS,
+                     help="data-parallel gradients on the wire: none (fp32, default), fp16 or bf16 (half the bytes)")
     how.add_argument("--lr", type=number, help="peak learning rate")
     how.add_argument("--max-steps", type=integer, metavar="N", help="optimizer steps to run (default 1500)")
     how.add_argument("--seed", type=integer)
@@ -166,6 +168,10 @@ def _check_parallelism(cfg: configuration.Config, nproc: int, world: int, meta_m
     cfg.check_world(math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
     plan = registry.resolve(cfg.train.strategy, mesh)
     plan.check(cfg, meta_model)
+    if cfg.train.compression != "none" and not plan.reduces_gradients:
+        accepted = ", ".join(row.name for row in registry.ROWS if row.reduces_gradients)
+        raise UsageError(f"--compression {cfg.train.compression} applies to gradients averaged by all-reduce "
+                         f"({accepted}), not to {plan.label}; leave it out or use one of those")
     return plan
 
 

@@ -31,6 +31,10 @@ class Reducer:
     def average(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         return self.reduce(tensor, group).wait()
 
+    def wire_bytes(self, tensor: torch.Tensor) -> int:
+        """Bytes of `tensor` as this reducer puts it on the wire (compressed ones: fewer)."""
+        return tensor.numel() * tensor.element_size()
+
 
 class MeanAllReduce(Reducer):
     name = "all_reduce"
@@ -65,7 +69,7 @@ class Counted(Reducer):
         self.inner, self.counter, self.name = inner, counter, inner.name
 
     def reduce(self, tensor, group):
-        self.counter.add(tensor.numel() * tensor.element_size())
+        self.counter.add(self.inner.wire_bytes(tensor))
         return self.inner.reduce(tensor, group)
 
 

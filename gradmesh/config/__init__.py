@@ -8,11 +8,11 @@ launcher, before any worker starts. Nothing here imports torch or code above the
 
 from gradmesh.config.layers import SECTIONS, all_keys, build, load_toml, parse_sets, section_fields
 from gradmesh.config.ps import PS_MODES, PSConfig
-from gradmesh.config.sections import (DEVICES, OPTIMIZERS, PP_SCHEDULES, RECOVERY, CheckpointConfig, Config,
+from gradmesh.config.sections import (COMPRESSIONS, DEVICES, OPTIMIZERS, PP_SCHEDULES, RECOVERY, CheckpointConfig, Config,
                                       DataConfig, FaultConfig, LaunchConfig, ModelConfig, MonitorConfig, RunConfig,
                                       TrainConfig)
 from gradmesh.config.workload import MODELS
 
 __all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "CheckpointConfig", "FaultConfig", "MonitorConfig",
-           "LaunchConfig", "RunConfig", "PSConfig", "PS_MODES", "SECTIONS", "MODELS", "PP_SCHEDULES", "OPTIMIZERS", "DEVICES", "RECOVERY",
+           "LaunchConfig", "RunConfig", "PSConfig", "PS_MODES", "SECTIONS", "MODELS", "PP_SCHEDULES", "OPTIMIZERS", "COMPRESSIONS", "DEVICES", "RECOVERY",
            "all_keys", "build", "load_toml", "parse_sets", "section_fields"]

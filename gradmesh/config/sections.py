@@ -18,6 +18,7 @@ from gradmesh.errors import UsageError
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 OPTIMIZERS = ("adamw", "sgd")
+COMPRESSIONS = ("none", "fp16", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -42,6 +43,8 @@ class TrainConfig:
     """Micro-batches per rank per optimizer step."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB for DDP's all-reduce (DDP's own default: 25)."""
+    compression: str = "none"
+    """How data-parallel gradients travel: none (fp32), fp16 or bf16 (half the bytes)."""
     optimizer: str = "adamw"
     """adamw or sgd."""
     lr: float = 2e-3
@@ -78,6 +81,7 @@ class TrainConfig:
     def __post_init__(self):
         _finite(self)
         _one_of("train", "optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("train", "compression", self.compression, COMPRESSIONS)
         _one_of("train", "pp_schedule", self.pp_schedule, PP_SCHEDULES)
         for name in ("global_batch_size", "grad_accum", "microbatches", "max_steps", "decay_steps", "eval_batches", "log_every"):
             _positive("train", name, getattr(self, name))

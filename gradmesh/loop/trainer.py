@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from gradmesh import env, rundir
 from gradmesh.comm import build_reducer
+from gradmesh.comm.compress import reducer_for
 from gradmesh.config import CheckpointConfig, FaultConfig, MonitorConfig, PSConfig, TrainConfig
 from gradmesh.data import GlobalOrderSampler
 from gradmesh.engine import Job, build_engine
@@ -64,7 +65,7 @@ class Trainer:
         self.plan = resolve(self.train.strategy, self.topo.mesh_shape)
         self.monitor, self.counter = build.monitor(session, monitor, self.run_dir, self.plan)
         optimizer_class, kwargs = optimizer or optimizer_spec(self.train)
-        reducer = build_reducer(self.counter, self.monitor.clock, session.membership)
+        reducer = build_reducer(self.counter, self.monitor.clock, session.membership, reducer_for(self.train.compression))
         faults = faults or FaultConfig()
         job = Job(loss_fn, dataset, self.train, optimizer_class, kwargs, criterion, reducer, self.counter, ps or PSConfig(),
                   session.membership, faults.step_timeout)

@@ -89,6 +89,9 @@ class Strategy:
     server's shard): under in-place recovery every rank then restarts from the last checkpoint."""
     step_breakdown: bool = True
     """The monitor's per-phase step breakdown applies (its ranks step together)."""
+    reduces_gradients: bool = True
+    """Its data-parallel gradients are averaged through the job's reducer (where --compression
+    applies); fsdp reduce-scatters in FSDP2 and ps pushes through its own wire."""
     dense_on_workers: bool = False
     """Parameter-server family: the dense parameters are replicated on the workers and averaged
     among them by all-reduce; the servers hold only the sparse tables (hybrid)."""
@@ -150,7 +153,7 @@ ROWS = (
              "fully sharded: parameters, gradients and optimizer state split (FSDP2)",
              state_bytes=lambda size, n: _all_bytes(size) / n,
              wire_bytes=lambda size, n: 3 * _ring(n) * FP32 * size.params,
-             sync="gradmesh.parallel.sharded:fsdp_sync"),
+             sync="gradmesh.parallel.sharded:fsdp_sync", reduces_gradients=False),
     Strategy("tp", "tp", "collective", "gradmesh.parallel.tensor:apply_tp",
              "tensor parallel: attention heads and MLP columns split (DTensor plans)",
              state_bytes=_tp_state,
@@ -171,7 +174,7 @@ ROWS = (
              state_bytes=lambda size, n: FP32 * size.params * 2,
              wire_bytes=lambda size, n: 2 * FP32 * size.params,
              roles=("worker", "server"), sync="gradmesh.parallel.data:no_sync", checks=(_check_ps,),
-             same_work=False, step_breakdown=False, inplace_recovery=True,
+             same_work=False, step_breakdown=False, inplace_recovery=True, reduces_gradients=False,
              critical="gradmesh.parallel.ps:server_ranks"),
     # The dense part as ddp keeps it, among the W workers; the tables' rows move as under ps
     # (counted apart, per row touched). In-place recovery would have to regroup the workers'
@@ -243,6 +246,10 @@ class Plan:
     @property
     def inplace_recovery(self) -> bool:
         return all(row.inplace_recovery for row in self.rows)
+
+    @property
+    def reduces_gradients(self) -> bool:
+        return all(row.reduces_gradients for row in self.rows)
 
     @property
     def state_owner(self) -> Strategy:
