@@ -8,8 +8,8 @@ rows the batch touched. Per size: samples/s (median step time after the first `-
 steps), the bytes each rank sends per step (what the reducer all-reduces, times the ring's
 2(n-1)/n, beside the formula 2(n-1)/n x 4P), the rows a step actually touches (what a
 parameter server would move instead), and each rank's peak memory beside the tables' bytes.
-The same for ps sync, 1 server + 2 workers (`--strategy ps`, the tables row-sharded on the
-server), and hybrid sync, 1 server + 2 workers (`--strategy hybrid`: the tables on the server,
+The same for ps sync, 1 and 2 servers + 2 workers (`--strategy ps`, the tables row-sharded on
+the servers), and hybrid sync, 1 and 2 servers + 2 workers (`--strategy hybrid`: the tables on the servers,
 the dense layers all-reduced between the workers): bytes are what every rank sent per step (the
 `wire_bytes` column of metrics.jsonl; hybrid's all-reduce counted as the buffer handed to it).
 Memory per rank two ways, over the training steps: peak RSS (what each rank reports; it counts
@@ -105,16 +105,20 @@ def train(nproc: int, steps: int, *extra: str) -> tuple[list[dict], list[int]]:
         return [json.loads(line) for line in metrics.read_text().splitlines()], peaks
 
 
-def measure(rows: int, strategy: str, args) -> dict:
-    nproc = 2 if strategy == "ddp" else 3
+def measure(rows: int, way: tuple[str, int], args) -> dict:
+    """One run: `way` is (strategy, servers) — 2 workers, plus the servers."""
+    strategy, servers = way
+    nproc = 2 + servers
+    extra = ("--ps-servers", str(servers)) if servers else ()
     found, private = train(nproc, args.steps, "--model", "recsys", "--set", f"model.rows={rows}", "--set",
-                           "model.samples=200000", "--strategy", strategy)
+                           "model.samples=200000", "--strategy", strategy, *extra)
     steady = found[args.warmup:]
     step_s = statistics.median(r["step_time_s"] for r in steady)
     ring = 2 * (2 - 1) / 2
     sent = (statistics.median(r["wire_bytes"] for r in steady) if strategy != "ddp"
             else statistics.median(r["breakdown"]["comm_bytes"][0] for r in steady) * ring)
-    return {"rows": rows, "strategy": strategy, "samples_per_s": BATCH / step_s, "step_s": step_s, "sent_bytes": sent,
+    return {"rows": rows, "strategy": strategy + (f", {servers} server{'s' * (servers > 1)}" if servers else ""),
+            "samples_per_s": BATCH / step_s, "step_s": step_s, "sent_bytes": sent,
             "formula_bytes": ring * 4 * params(rows), "table_bytes": 4 * rows * DIM,
             "peak_bytes": [max(r["peak_memory_bytes"][i] for r in steady) for i in range(nproc)],
             "private_bytes": private,
@@ -126,8 +130,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="total table rows (default 10^5 10^6 10^7)")
+    parser.add_argument("--servers", type=int, nargs="+", default=(1, 2), help="parameter servers (default 1 and 2)")
     args = parser.parse_args()
-    result = [measure(rows, strategy, args) for rows in args.sizes for strategy in ("ddp", "ps", "hybrid")]
+    ways = [("ddp", 0)] + [(name, servers) for servers in args.servers for name in ("ps", "hybrid")]
+    result = [measure(rows, way, args) for rows in args.sizes for way in ways]
     table = Table(title="recsys, ddp on 2 ranks (dense table gradients), ps and hybrid sync (1 server + 2 workers), "
                         "batch 512")
     for column in ("table rows", "strategy", "samples/s", "vs ddp", "bytes/step", "ddp formula 2(n-1)/n x 4P",
