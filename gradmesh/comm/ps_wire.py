@@ -33,7 +33,8 @@ class Kind(IntEnum):
     PARAMS = 6
     """server -> worker: my shard at `version` (payload follows)."""
     DONE = 7
-    """dispatcher -> worker: no share is left in this segment."""
+    """dispatcher -> worker: no share is left in this segment (sync: `norm_sq`, the squared global
+    gradient norm of its last step, which a hybrid worker clips its own step by)."""
     RETRY = 8
     """server -> worker, instead of PARAMS: give your share back and take another (an earlier
     share, lost with a worker, must be done first; waiting for it would wait forever)."""
