@@ -246,3 +246,27 @@ def test_only_the_earliest_steps_late_share_counts_as_hung(monkeypatch):
     assert dispatcher.overdue(5) == []
     dispatcher.give_back(0, waiting)
     assert dispatcher.next(0) == first and dispatcher.overdue(5) == []
+
+
+def test_a_worker_predicts_its_shard_along_the_velocity_it_saw_by_the_lag_it_saw():
+    """Two shards; pulls after 3 then 7 updates (4 apart: its own and 3 others'), so the second
+    pull is moved 3 updates further along (second - first) / 4; a shard that saw no new update
+    is left as pulled, and the remembered parameters are the pulled ones, not the predicted."""
+    import torch
+    from gradmesh.engine.ps.predict import WeightPrediction
+
+    flat = torch.zeros(5)
+    prediction = WeightPrediction(flat, [(0, 3), (3, 5)])
+    first = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    flat.copy_(first)
+    prediction.pulled(0, 3), prediction.pulled(1, 3)
+    assert torch.equal(flat, first)  # nothing seen yet to predict from
+    second = torch.tensor([2.0, 0.0, 3.0, 4.0, 5.0])
+    flat.copy_(second)
+    prediction.pulled(0, 7), prediction.pulled(1, 3)
+    expected = second[:3] + 3 * (second[:3] - first[:3]) / 4
+    assert torch.allclose(flat[:3], expected) and torch.equal(flat[3:], second[3:])
+    third = torch.tensor([3.0, -1.0, 3.0, 4.0, 5.0])
+    flat.copy_(third)
+    prediction.pulled(0, 8)  # one update since: its own, so no lag to predict over
+    assert torch.equal(flat[:3], third[:3])

@@ -27,11 +27,12 @@ class Kind(IntEnum):
     PULL = 3
     """worker -> server: send me your shard once your version is at least `version`."""
     TAKE = 4
-    """worker -> dispatcher: give me the next share to compute."""
+    """worker -> dispatcher: give me the next share to compute (`version` 1: and your shard with
+    it, if the staleness bound lets you, which saves the pull's round trip)."""
     TASK = 5
-    """dispatcher -> worker: the share (clock, chunk) is yours."""
+    """dispatcher -> worker: the share (clock, chunk) is yours (`version` 1: my PARAMS follow)."""
     PARAMS = 6
-    """server -> worker: my shard at `version` (payload follows)."""
+    """server -> worker: my shard at `version`, after `clock` updates (payload follows)."""
     DONE = 7
     """dispatcher -> worker: no share is left in this segment (sync: `norm_sq`, the squared global
     gradient norm of its last step, which a hybrid worker clips its own step by)."""

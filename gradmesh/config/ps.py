@@ -29,6 +29,9 @@ class PSConfig:
     mode: str = "sync"
     """sync (one update per step from every worker: single-process training), async (each worker's
     gradient applied as it arrives) or ssp:K (no worker more than K steps ahead of the slowest)."""
+    predict: bool = True
+    """async and ssp:K >= 1: workers compute on the parameters predicted for when their gradient
+    lands (moved along their recent velocity by the updates expected meanwhile); false: as pulled."""
 
     def __post_init__(self):
         finite(self)

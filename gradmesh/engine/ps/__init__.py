@@ -20,6 +20,7 @@ from gradmesh.comm.ps_wire import Kind, Message, Wire
 from gradmesh.data import GlobalBatch
 from gradmesh.engine.base import Job, StepOutcome
 from gradmesh.engine.ps.hybrid import DenseReplica
+from gradmesh.engine.ps.predict import WeightPrediction
 from gradmesh.engine.ps.segment import Dispatcher, Segment
 from gradmesh.engine.ps.server import Server
 from gradmesh.engine.ps.slots import OptimizerSlots
@@ -65,6 +66,9 @@ class ParameterServerEngine(SegmentReport):
             replica = DenseReplica(self.flat, grads, self.workers_group, job, self.bound == 0) if self.hybrid else None
             self.worker = Worker(self.roles, self.layout, model, [p for _, p in self.dense], self.flat, grads,
                                  self.wire, job, self.bound, bucket, topology.device, tables, replica)
+            if self.bound != 0 and not self.hybrid and job.ps.predict:
+                shards = [self.layout.shard(s) for s in range(self.roles.servers)]
+                self.worker.prediction = WeightPrediction(self.flat, shards)
             self.optimizer = replica.optimizer if replica else None
         self.whole = WholeTables(self.sparse, self.roles, topology.device)
         self.whole.release()  # no rank holds a whole table while training

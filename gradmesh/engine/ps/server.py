@@ -91,6 +91,8 @@ class Server(Applying):
         self.log: dict[tuple[int, int], tuple[int, int, int, float]] = {}
         """Dispatcher: (clock, chunk) -> (worker, oldest version, samples, loss) of the commit that counted."""
         self.parked: list[int] = []
+        self.bundled: set[int] = set()
+        """Parked workers whose TAKE asked for this server's shard with the share."""
         self.told_done: set[int] = set()
         self.lost: set[int] = set()
         self.broken: set[int] = set()
@@ -157,6 +159,8 @@ class Server(Applying):
                 self.wire.send(source, Message(Kind.RETRY))
         elif kind == Kind.TAKE and self.dispatcher:
             self.parked.append(source)
+            if message.version:
+                self.bundled.add(source)
             self.serve_parked()
         elif kind == Kind.RETURN and self.dispatcher:
             self.dispatcher.give_back(source, (message.clock, message.chunk))
@@ -197,13 +201,26 @@ class Server(Applying):
         for worker in self.parked:
             task = self.dispatcher.next(worker)
             if task is not None:
-                self.wire.send(worker, Message(Kind.TASK, clock=task[0], chunk=task[1]))
+                self._hand(worker, task)
             elif self.dispatcher.finished:
                 self.wire.send(worker, Message(Kind.DONE, norm_sq=self._norm_sq(self.segment.clocks[-1])))
                 self.told_done.add(worker)
+                self.bundled.discard(worker)
             else:  # the others still hold the last shares: one may die and leave its share to this one
                 still.append(worker)
         self.parked = still
+
+    def _hand(self, worker: int, task: tuple[int, int]) -> None:
+        """TASK, and this server's shard with it when the worker asked so and the bound allows."""
+        bundled = worker in self.bundled and (self.bound is None or self.frontier >= task[0] - self.bound)
+        self.bundled.discard(worker)
+        self.wire.send(worker, Message(Kind.TASK, clock=task[0], chunk=task[1], version=int(bundled)))
+        if bundled:
+            self._send_params(worker)
+
+    def _send_params(self, worker: int) -> None:
+        level = self.version if self.bound is None else self.frontier
+        self.wire.send(worker, Message(Kind.PARAMS, clock=self.version, version=level), self.param.detach())
 
     def _norm_sq(self, clock: int) -> float:
         """The square of step `clock`'s global gradient norm, once applied (sync; else 0)."""
@@ -218,6 +235,7 @@ class Server(Applying):
         if self.dispatcher:
             self.dispatcher.lose(worker)
             self.parked = [w for w in self.parked if w != worker]
+            self.bundled.discard(worker)
             self.serve_parked()
             self.answer_pulls()
 
@@ -225,11 +243,11 @@ class Server(Applying):
         still = []
         for worker, clock, least, rows in self.waiting:
             if self.bound is None or self.frontier >= least:
-                level = self.version if self.bound is None else self.frontier
                 if rows is not None:
+                    level = self.version if self.bound is None else self.frontier
                     self.tables.answer(self.wire, worker, rows, level, self._norm_sq(clock - 1))
                     continue
-                self.wire.send(worker, Message(Kind.PARAMS, version=level), self.param.detach())
+                self._send_params(worker)
             elif self.dispatcher and self.dispatcher.earlier_than(worker, clock):
                 # a dead worker's share of an earlier step is back in line: this worker must do it
                 # (waiting for it would wait forever), so it gives its own share back

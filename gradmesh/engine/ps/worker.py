@@ -42,6 +42,8 @@ class Worker:
         self.roles, self.layout, self.model = roles, layout, model
         self.flat, self.grads, self.wire, self.job, self.bound, self.device = flat, grads, wire, job, bound, device
         self.replica = replica
+        self.prediction = None
+        """`gradmesh.engine.ps.predict.WeightPrediction` under async and ssp:K >= 1, else None."""
         """Hybrid: `gradmesh.engine.ps.hybrid.DenseReplica` (the dense part all-reduced, not pushed)."""
         self.buckets = [(s, k, low, high) for s in range(roles.servers)
                         for k, (low, high) in enumerate(layout.buckets(s, bucket_elements))]
@@ -76,8 +78,8 @@ class Worker:
         ahead = (self.job.ps.mode == "sync" or self.replica is not None) and self.job.membership is None
         while True:
             with self.clock.phase("wait"):
-                if asked is None:
-                    self.wire.send(dispatcher, Message(Kind.TAKE))
+                if asked is None:  # not asked ahead: the parameters may come with the share
+                    self.wire.send(dispatcher, Message(Kind.TAKE, version=int(self.replica is None)))
                     asked = self.wire.expect(dispatcher, answer=True)
                 asked[1].wait()
                 reply, asked = Message.decode(asked[0]), None
@@ -94,7 +96,7 @@ class Worker:
                     self.wire.settle()
                 self.tables.gate, versions = (reply.clock, least), None
             else:
-                versions = self.pull(reply.clock, least)
+                versions = self.pull(reply.clock, least, bundled=bool(reply.version))
             if versions is None and not self.replica:  # an earlier share, lost with a dead worker, comes first
                 self.wire.send(dispatcher, Message(Kind.RETURN, clock=reply.clock, chunk=reply.chunk))
                 continue
@@ -104,22 +106,24 @@ class Worker:
         with self.clock.phase("push"):
             self.wire.settle()
 
-    def pull(self, clock: int, least: int) -> list[int] | None:
+    def pull(self, clock: int, least: int, bundled: bool = False) -> list[int] | None:
         """Every server's shard, once its version is at least `least`: each server's version;
-        None when the dispatcher says to give the share of step `clock` back instead. (Hybrid
+        None when the dispatcher says to give the share of step `clock` back instead (`bundled`: the
+        dispatcher sent its shard with the share, unasked). (Hybrid
         servers hold no dense shard: their pull rides on the share's first row request.)"""
         with self.clock.phase("push"):
             self.wire.settle()
         with self.clock.phase("pull"):
-            return self._pull(clock, least)
+            return self._pull(clock, least, bundled)
 
-    def _pull(self, clock: int, least: int) -> list[int] | None:
+    def _pull(self, clock: int, least: int, bundled: bool) -> list[int] | None:
         servers = [self.roles.server_rank(s) for s in range(self.roles.servers)]
         heads = []
-        for server in servers:
-            self.wire.send(server, Message(Kind.PULL, clock=clock, version=least))
+        for s, server in enumerate(servers):
+            if not (bundled and s == 0):
+                self.wire.send(server, Message(Kind.PULL, clock=clock, version=least))
             heads.append(self.wire.expect(server))
-        versions, payloads, retry = [], [], False
+        versions, updates, payloads, retry = [], [], [], False
         for s, (head, work) in enumerate(heads):  # the dispatcher (server 0) first: only it says RETRY
             work.wait()
             reply = Message.decode(head)
@@ -132,9 +136,15 @@ class Worker:
             low, high = self.layout.shard(s)
             payloads.append(self.wire.payload_from(servers[s], self.flat[low:high]))
             versions.append(reply.version)
+            updates.append(reply.clock)
         for work in payloads:
             work.wait()
-        return None if retry else versions
+        if retry:
+            return None
+        if self.prediction:
+            for s, count in enumerate(updates):
+                self.prediction.pulled(s, count)
+        return versions
 
     def compute(self, indices: list[int], batch_size: int, task: tuple[int, int, list[int]], probe) -> float:
         """Forward and backward of one share (weighted 1 / global batch, as data parallelism
