@@ -251,7 +251,9 @@ def test_only_the_earliest_steps_late_share_counts_as_hung(monkeypatch):
 def test_a_worker_predicts_its_shard_along_the_velocity_it_saw_by_the_lag_it_saw():
     """Two shards; pulls after 3 then 7 updates (4 apart: its own and 3 others'), so the second
     pull is moved 3 updates further along (second - first) / 4; a shard that saw no new update
-    is left as pulled, and the remembered parameters are the pulled ones, not the predicted."""
+    is left as pulled. The third pull comes 1 update later (its own: lag 0), so it moves by the
+    mean lag, 1.5, along third - second: velocities come from the pulled parameters, not the
+    predicted ones."""
     import torch
     from gradmesh.engine.ps.predict import WeightPrediction
 
@@ -268,5 +270,5 @@ def test_a_worker_predicts_its_shard_along_the_velocity_it_saw_by_the_lag_it_saw
     assert torch.allclose(flat[:3], expected) and torch.equal(flat[3:], second[3:])
     third = torch.tensor([3.0, -1.0, 3.0, 4.0, 5.0])
     flat.copy_(third)
-    prediction.pulled(0, 8)  # one update since: its own, so no lag to predict over
-    assert torch.equal(flat[:3], third[:3])
+    prediction.pulled(0, 8)
+    assert torch.allclose(flat[:3], third[:3] + 1.5 * (third[:3] - second[:3]))

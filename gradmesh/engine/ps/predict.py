@@ -12,12 +12,18 @@ stashing's alternative (SpecTrain, Chen et al. 2018; linear weight prediction, K
 A worker learns both figures from its own pulls, with no extra message: each server reports the
 updates its shard has had, so between two pulls the worker sees how far the shard moved per
 update (the velocity) and how many updates besides its own landed meanwhile (the lag its last
-share had, which the next one is taken to have too). The prediction changes only what the
+share had). The next share is taken to lag by the mean of the last few: a fast worker beside a
+slow one sees the slow one's update in every other interval, and the last interval alone would
+predict the wrong one of the two each time. The prediction changes only what the
 worker computes on; the servers' parameters, the staleness they record and sync (ssp:0) are
 untouched.
 """
 
+from collections import deque
+
 import torch
+
+LAGS = 4
 
 
 class WeightPrediction:
@@ -28,7 +34,7 @@ class WeightPrediction:
         self.velocity = torch.zeros_like(flat)
         """Per update, over the interval between the last two pulls that saw updates."""
         self.updates: list[int | None] = [None] * len(shards)
-        self.lag = [0] * len(shards)
+        self.lags = [deque(maxlen=LAGS) for _ in shards]
 
     def pulled(self, server: int, updates: int) -> None:
         """Server `server`'s shard has just been pulled into `flat` after `updates` updates:
@@ -38,8 +44,9 @@ class WeightPrediction:
         before = self.updates[server]
         if before is not None and updates > before:
             velocity.copy_(now).sub_(seen).div_(updates - before)
-            self.lag[server] = updates - before - 1  # the updates besides this worker's own
+            self.lags[server].append(updates - before - 1)  # the updates besides this worker's own
         seen.copy_(now)
         self.updates[server] = updates
-        if before is not None and self.lag[server]:
-            now.add_(velocity, alpha=self.lag[server])
+        lag = sum(self.lags[server]) / len(self.lags[server]) if self.lags[server] else 0
+        if lag:
+            now.add_(velocity, alpha=lag)
