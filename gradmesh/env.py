@@ -94,8 +94,12 @@ def launcher_pid() -> int | None:
     return int(text) if text.isascii() and text.isdigit() else None
 
 
-def keep_on_loopback(interface: str) -> None:
-    """A one-machine job's gloo and NCCL sockets on the loopback interface, not on whatever
-    address the host name resolves to; a user's choice of interface wins."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+def keep_on_interface(interface: str, override: bool = False) -> None:
+    """gloo's and NCCL's sockets on `interface` (a one-machine job: loopback; several: the one
+    that reaches the others), not on whatever address the host name resolves to; a user's
+    choice of interface in the environment wins unless `override`."""
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if override:
+            os.environ[name] = interface
+        else:
+            os.environ.setdefault(name, interface)

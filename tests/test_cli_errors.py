@@ -107,6 +107,10 @@ NUMBERS = {
     "static rendezvous without node ranks": (["--nnodes", "2", "--rdzv-endpoint", "h:29400", "--rdzv-backend", "static"],
                                              ["static", "--node-rank R"]),
     "empty rendezvous id": (["--rdzv-id", ""], ["rdzv_id is empty", "--rdzv-id ID"]),
+    "malformed rendezvous conf": (["--nnodes", "2", "--rdzv-endpoint", "h:29400", "--rdzv-conf", "is_host"],
+                                  ["--rdzv-conf 'is_host'", "key=value"]),
+    "unknown interface": (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--iface", "nosuch0"],
+                          ["--iface 'nosuch0'", "accepted: ", "lo"]),
     "a trace past the last step": (["--max-steps", "10", "--trace-steps", "20:21"], ["--trace-steps 20:21", "step 10"]),
     # The meta-device model is counted, never allocated: ~3 TiB of parameters, gradients and Adam state.
     "model too big for the machine": (["--data", "{tmp}/small.txt", "--set", "model.n_layer=2", "--set", "model.n_embd=65536"],

@@ -1,4 +1,6 @@
-"""torchrun's multi-node options pass through: two 'nodes' (two gradmesh agents) on loopback."""
+"""Multi-node jobs: two hosts (network namespaces joined through a bridge, `netns.Hosts`), one
+gradmesh agent each, train like one process with either rendezvous backend and no interface
+flag; where namespaces cannot be made, two agents on loopback stand in."""
 
 import os
 import socket
@@ -9,7 +11,10 @@ import time
 import pytest
 
 from helpers import TINY, rel_l2, weights
+from netns import Hosts
 from runs import STEPS, ddp_run
+
+NO_HOSTS = Hosts.unavailable()
 
 
 def free_port() -> int:
@@ -34,21 +39,38 @@ def finish(nodes: list[subprocess.Popen], timeout: float) -> str:
     return "\n".join(errors)
 
 
+def node_command(tmp_path, backend: str, endpoint: str, node: int) -> list[str]:
+    cmd = [sys.executable, "-m", "gradmesh", "train", "--nnodes", "2", "--nproc", "1",
+           "--rdzv-endpoint", endpoint, "--rdzv-id", f"test-{backend}", "--rdzv-backend", backend,
+           "--run-dir", str(tmp_path / "two"), "--quiet", *TINY, *STEPS, "--optimizer", "sgd"]
+    return cmd + (["--node-rank", str(node)] if backend == "static" else [])
+
+
 @pytest.mark.slow  # two launchers and a rendezvous per case; 2-rank parity on one node stays in the fast tier
+@pytest.mark.skipif(bool(NO_HOSTS), reason=f"no namespace hosts here ({NO_HOSTS})")
 @pytest.mark.parametrize("backend", ["c10d", "static"])
-def test_two_nodes_train_like_one_process(catalogue, tmp_path, backend):
-    args = [*STEPS, "--optimizer", "sgd"]
+def test_two_hosts_train_like_one_process(catalogue, tmp_path, backend):
+    """The endpoint is host 0's interface address, which its host name does not resolve to:
+    c10d finds no store host and gloo listens on 127.0.0.1 unless gradmesh picks both itself."""
     one = ddp_run(catalogue, 1, "sgd")  # the parity reference; its replica checks and records change nothing trained
+    with Hosts(2) as hosts:
+        endpoint = f"{hosts.addresses[0]}:29400"
+        nodes = [hosts.start(node, node_command(tmp_path, backend, endpoint, node),
+                             env=dict(os.environ, PYTHONUNBUFFERED="1")) for node in range(2)]
+        errors = finish(nodes, timeout=180)
+    assert [proc.returncode for proc in nodes] == [0, 0], errors
+    assert rel_l2(weights(tmp_path / "two"), weights(one)) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not NO_HOSTS, reason="namespace hosts are made here: test_two_hosts_train_like_one_process covers it")
+@pytest.mark.parametrize("backend", ["c10d", "static"])
+def test_two_nodes_on_loopback_train_like_one_process(catalogue, tmp_path, backend):
+    one = ddp_run(catalogue, 1, "sgd")
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = []
-    for node in range(2):
-        cmd = [sys.executable, "-m", "gradmesh", "train", "--nnodes", "2", "--nproc", "1",
-               "--rdzv-endpoint", endpoint, "--rdzv-id", f"test-{backend}", "--rdzv-backend", backend,
-               "--run-dir", str(tmp_path / "two"), "--quiet", *TINY, *args]
-        if backend == "static":
-            cmd += ["--node-rank", str(node)]
-        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=dict(os.environ, PYTHONUNBUFFERED="1")))
+    nodes = [subprocess.Popen(node_command(tmp_path, backend, endpoint, node), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+             for node in range(2)]
     errors = finish(nodes, timeout=180)
     assert [proc.returncode for proc in nodes] == [0, 0], errors
     assert rel_l2(weights(tmp_path / "two"), weights(one)) <= 1e-5

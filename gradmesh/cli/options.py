@@ -26,6 +26,7 @@ FLAG_KEYS = {
     "nproc": "launch.nproc", "nnodes": "launch.nnodes", "node_rank": "launch.node_rank",
     "rdzv_endpoint": "launch.rdzv_endpoint", "rdzv_id": "launch.rdzv_id",
     "rdzv_backend": "launch.rdzv_backend", "device": "launch.device",
+    "rdzv_conf": "launch.rdzv_conf", "iface": "launch.iface", "local_addr": "launch.local_addr",
 }
 
 
@@ -85,6 +86,9 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous address for multi-node jobs")
     group.add_argument("--rdzv-id", metavar="ID", help="job id shared by every node")
     group.add_argument("--rdzv-backend", choices=("c10d", "static"), help="rendezvous backend")
+    group.add_argument("--rdzv-conf", metavar="K=V,...", help="more rendezvous settings, passed to torchrun")
+    group.add_argument("--iface", metavar="NAME", help="network interface for gloo/NCCL (default: the one that routes to --rdzv-endpoint)")
+    group.add_argument("--local-addr", metavar="ADDR", help="this machine's address as the others reach it (default: --iface's)")
     group.add_argument("--device", choices=configuration.DEVICES, help="auto: CUDA+NCCL if present, else CPU+gloo")
 
 
@@ -115,8 +119,11 @@ def resolve_config(args: argparse.Namespace) -> configuration.Config:
 
 def launch_shape(launch: configuration.LaunchConfig) -> tuple[str, int]:
     """(device, workers on this machine), with --nproc auto settled."""
+    from gradmesh.launch.network import check_node
     from gradmesh.topology import auto_nproc, resolve_device
 
+    if launch.rdzv_endpoint:  # several machines: an endpoint that resolves, an interface this one has
+        check_node(launch.rdzv_endpoint, launch.iface)
     device = resolve_device(launch.device)
     nproc = launch.nproc or auto_nproc(device)
     if nproc < 1:

@@ -61,5 +61,10 @@ def rendezvous(launch) -> None:
                          f"0..{launch.nnodes - 1} (or -1: assigned by the rendezvous)")
     if launch.rdzv_backend == "static" and launch.nnodes > 1 and launch.node_rank < 0:
         raise UsageError("--rdzv-backend static needs --node-rank R on every machine (0..nnodes-1)")
+    bad = [item for item in launch.rdzv_conf.split(",") if item and not item.partition("=")[0].strip()
+           or item and "=" not in item]
+    if bad:
+        raise UsageError(f"--rdzv-conf {launch.rdzv_conf!r}: expected key=value pairs separated by commas, "
+                         "e.g. is_host=true,join_timeout=600")
     if not launch.rdzv_id.strip():
         raise UsageError("launch.rdzv_id is empty: give --rdzv-id ID, the same on every machine of the job")

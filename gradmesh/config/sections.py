@@ -195,6 +195,12 @@ class LaunchConfig:
     """Job id shared by all nodes (give each job its own). One machine: a random id per run."""
     rdzv_backend: str = ""
     """c10d or static; empty picks static when node_rank is given, else c10d."""
+    rdzv_conf: str = ""
+    """Extra rendezvous settings, key=value,... (torchrun's --rdzv-conf), e.g. is_host=true,join_timeout=600."""
+    iface: str = ""
+    """Network interface for gloo/NCCL and this node's address (multi-node); empty: the one the route to the endpoint uses."""
+    local_addr: str = ""
+    """This node's address as the others reach it (torchrun's --local-addr); empty: the interface's."""
     device: str = "auto"
     """auto (CUDA with NCCL where present, else CPU with gloo), cpu or cuda."""
 

@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from gradmesh import env, lifeline, stores
 from gradmesh.config import LaunchConfig
 from gradmesh.fault.watchdog import EXIT_HANG
+from gradmesh.launch import network
 from gradmesh.topology import threads_per_worker
 
 
@@ -36,8 +37,11 @@ def torchrun_args(launch: LaunchConfig, nproc: int, max_restarts: int = 0) -> li
         return args + ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{stores.LOOPBACK}:0",
                        "--rdzv-id", uuid.uuid4().hex, "--local-addr", stores.LOOPBACK]
     backend = launch.rdzv_backend or ("static" if launch.node_rank >= 0 else "c10d")
+    node = network.node_settings(launch.rdzv_endpoint, launch.iface, launch.local_addr, launch.rdzv_conf, backend)
     args += ["--rdzv-backend", backend, "--rdzv-endpoint", launch.rdzv_endpoint,
-             "--rdzv-id", launch.rdzv_id]
+             "--rdzv-id", launch.rdzv_id, "--local-addr", node["local_addr"]]
+    if node["rdzv_conf"]:
+        args += ["--rdzv-conf", node["rdzv_conf"]]
     if launch.node_rank >= 0:
         args += ["--node-rank", str(launch.node_rank)]
     return args
@@ -81,7 +85,11 @@ def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restart
     env.set_omp_threads(threads_per_worker(nproc))
     env.mark_launcher()
     if single_machine(launch):
-        env.keep_on_loopback(stores.loopback_interface())
+        env.keep_on_interface(stores.loopback_interface())
+    else:  # the interface that reaches the other machines (a named --iface wins over the environment)
+        iface = network.node_settings(launch.rdzv_endpoint, launch.iface, launch.local_addr, "", "")["iface"]
+        if iface:
+            env.keep_on_interface(iface, override=bool(launch.iface))
     if inplace:
         from gradmesh.launch.inplace import run_inplace
 
