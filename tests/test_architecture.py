@@ -137,7 +137,7 @@ def test_a_plans_state_per_rank_composes_its_rows():
 class _Recorded(Reducer):
     name = "fake"
 
-    def reduce(self, tensor, group):
+    def reduce(self, tensor, group, parts=None):
         future = torch.futures.Future()
         future.set_result(tensor * 2)
         return future

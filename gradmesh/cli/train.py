@@ -13,6 +13,7 @@ from gradmesh import rundir
 from gradmesh.runlock import RunLock
 from gradmesh.cli.memory import check_memory
 from gradmesh.cli.options import add_launch_options, integer, launch_shape, number, resolve_config
+from gradmesh.config.compression import parse_compression
 from gradmesh.config.ps import check_ps_options_need_ps
 from gradmesh.errors import NothingToDo, UsageError
 from gradmesh.files import atomic_write
@@ -60,8 +61,9 @@ def _add_how_options(train: argparse.ArgumentParser) -> None:
     how.add_argument("--global-batch-size", type=integer, metavar="B", help="samples per optimizer step over all ranks (default 32)")
     how.add_argument("--grad-accum", type=integer, metavar="K", help="micro-batches per rank per step (default 1)")
     how.add_argument("--optimizer", choices=configuration.OPTIMIZERS, help="default adamw")
-    how.add_argument("--compression", choices=configuration.COMPRESSIONS,
-                     help="data-parallel gradients on the wire: none (fp32, default), fp16 or bf16 (half the bytes)")
+    how.add_argument("--compression", metavar="METHOD",
+                     help="data-parallel gradients on the wire: none (fp32, default), fp16 or bf16 (half the bytes), "
+                          "powersgd:rank=R[,start=N] or topk:ratio=K (both with error feedback)")
     how.add_argument("--lr", type=number, help="peak learning rate")
     how.add_argument("--max-steps", type=integer, metavar="N", help="optimizer steps to run (default 1500)")
     how.add_argument("--seed", type=integer)
@@ -172,6 +174,9 @@ def _check_parallelism(cfg: configuration.Config, nproc: int, world: int, meta_m
         accepted = ", ".join(row.name for row in registry.ROWS if row.reduces_gradients)
         raise UsageError(f"--compression {cfg.train.compression} applies to gradients averaged by all-reduce "
                          f"({accepted}), not to {plan.label}; leave it out or use one of those")
+    if parse_compression(cfg.train.compression)[0] in ("powersgd", "topk") and plan.engine == "ps":
+        raise UsageError(f"--compression {cfg.train.compression}: error feedback is kept per parameter, which "
+                         f"{plan.label}'s bucketed dense all-reduce does not carry yet; use none, fp16 or bf16 with it")
     return plan
 
 

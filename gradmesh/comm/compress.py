@@ -19,10 +19,10 @@ class CastAllReduce(Reducer):
     def __init__(self, compression: str):
         self.dtype, self.name = COMPRESSIONS[compression], f"all_reduce_{compression}"
 
-    def wire_bytes(self, tensor: torch.Tensor) -> int:
+    def wire_bytes(self, tensor: torch.Tensor, parts=None) -> int:
         return tensor.numel() * torch.finfo(self.dtype).bits // 8
 
-    def reduce(self, tensor, group):
+    def reduce(self, tensor, group, parts=None):
         if tensor.numel() == 0:  # gloo crashed on zero-element all-reduces (pytorch#58467)
             future = torch.futures.Future()
             future.set_result(tensor)
@@ -34,4 +34,12 @@ class CastAllReduce(Reducer):
 
 def reducer_for(compression: str) -> Reducer | None:
     """The base reducer of `--compression` (None: the plain fp32 mean)."""
-    return CastAllReduce(compression) if compression in COMPRESSIONS else None
+    from gradmesh.comm.feedback import PowerSGD, TopK
+    from gradmesh.config.compression import parse_compression
+
+    method, options = parse_compression(compression)
+    if method in COMPRESSIONS:
+        return CastAllReduce(method)
+    if method == "powersgd":
+        return PowerSGD(options["rank"], options["start"])
+    return TopK(options["ratio"]) if method == "topk" else None

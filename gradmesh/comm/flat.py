@@ -17,10 +17,11 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
-def average_gradients(parameters, reducer: Reducer, group: dist.ProcessGroup) -> None:
-    grads = [_local(p.grad) for p in parameters if p.grad is not None]
-    if not grads:
+def average_gradients(named_parameters, reducer: Reducer, group: dist.ProcessGroup) -> None:
+    named = [(name, _local(p.grad)) for name, p in named_parameters if p.grad is not None]
+    if not named:
         return
-    flat = reducer.average(_flatten_dense_tensors(grads), group)
+    grads = [grad for _, grad in named]
+    flat = reducer.average(_flatten_dense_tensors(grads), group, [(name, grad.shape) for name, grad in named])
     for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(averaged)

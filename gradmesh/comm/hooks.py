@@ -19,12 +19,16 @@ from gradmesh.comm.reducer import Reducer
 class HookState:
     reducer: Reducer
     group: dist.ProcessGroup
+    names: dict[int, str]
+    """id(parameter) -> its name in the plain model: a bucket's parts, for per-parameter state."""
 
 
 def _reduce_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    return state.reducer.reduce(bucket.buffer(), state.group)
+    parts = [(state.names[id(p)], p.shape) for p in bucket.parameters()]
+    return state.reducer.reduce(bucket.buffer(), state.group, parts)
 
 
 def register(model: DistributedDataParallel, reducer: Reducer) -> DistributedDataParallel:
-    model.register_comm_hook(HookState(reducer, model.process_group), _reduce_bucket)
+    names = {id(p): name for name, p in model.module.named_parameters()}
+    model.register_comm_hook(HookState(reducer, model.process_group, names), _reduce_bucket)
     return model

@@ -21,25 +21,47 @@ Future = torch.futures.Future
 
 
 class Reducer:
-    """Averages `tensor` in place over `group`; returns a future of the averaged tensor."""
+    """Averages `tensor` in place over `group`; returns a future of the averaged tensor.
+
+    `parts`: the (parameter name, shape) of each gradient in `tensor`, in order, where the caller
+    knows them; reducers that keep state per parameter (error feedback) need them."""
 
     name = "reduce"
 
-    def reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> Future:
+    def reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, parts=None) -> Future:
         raise NotImplementedError
 
-    def average(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return self.reduce(tensor, group).wait()
+    def average(self, tensor: torch.Tensor, group: dist.ProcessGroup, parts=None) -> torch.Tensor:
+        return self.reduce(tensor, group, parts).wait()
 
-    def wire_bytes(self, tensor: torch.Tensor) -> int:
+    def wire_bytes(self, tensor: torch.Tensor, parts=None) -> int:
         """Bytes of `tensor` as this reducer puts it on the wire (compressed ones: fewer)."""
         return tensor.numel() * tensor.element_size()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint must keep for a resumed run to reduce exactly as this one (this rank's)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+class Wrapper(Reducer):
+    """Passes state through to the reducer it wraps."""
+
+    inner: Reducer
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
 
 
 class MeanAllReduce(Reducer):
     name = "all_reduce"
 
-    def reduce(self, tensor, group):
+    def reduce(self, tensor, group, parts=None):
         tensor.div_(group.size())
         work = dist.all_reduce(tensor, group=group, async_op=True)
         return work.get_future().then(lambda done: done.value()[0])
@@ -64,39 +86,39 @@ class CommCounter:
         return figures
 
 
-class Counted(Reducer):
+class Counted(Wrapper):
     def __init__(self, inner: Reducer, counter: CommCounter):
         self.inner, self.counter, self.name = inner, counter, inner.name
 
-    def reduce(self, tensor, group):
-        self.counter.add(self.inner.wire_bytes(tensor))
-        return self.inner.reduce(tensor, group)
+    def reduce(self, tensor, group, parts=None):
+        self.counter.add(self.inner.wire_bytes(tensor, parts))
+        return self.inner.reduce(tensor, group, parts)
 
 
-class Timed(Reducer):
+class Timed(Wrapper):
     def __init__(self, inner: Reducer, clock=None):
         """clock: gradmesh.monitor.breakdown.StepClock, or None with monitoring off."""
         self.inner, self.clock, self.name = inner, clock, inner.name
 
-    def reduce(self, tensor, group):
+    def reduce(self, tensor, group, parts=None):
         if self.clock is None:
-            return self.inner.reduce(tensor, group)
+            return self.inner.reduce(tensor, group, parts)
         completed = self.clock.collective(self.name)
 
         def result(done: Future) -> torch.Tensor:
             completed()
             return done.value()  # raises the collective's error into the caller
 
-        return self.inner.reduce(tensor, group).then(result)
+        return self.inner.reduce(tensor, group, parts).then(result)
 
 
-class Guarded(Reducer):
+class Guarded(Wrapper):
     def __init__(self, inner: Reducer, membership=None):
         """membership: gradmesh.fault.inplace.Membership under in-place recovery, else None."""
         self.inner, self.membership, self.name = inner, membership, inner.name
 
-    def reduce(self, tensor, group):
-        future = self.inner.reduce(tensor, group)
+    def reduce(self, tensor, group, parts=None):
+        future = self.inner.reduce(tensor, group, parts)
         return self.membership.guard(future) if self.membership is not None else future
 
 

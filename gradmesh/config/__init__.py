@@ -8,7 +8,8 @@ launcher, before any worker starts. Nothing here imports torch or code above the
 
 from gradmesh.config.layers import SECTIONS, all_keys, build, load_toml, parse_sets, section_fields
 from gradmesh.config.ps import PS_MODES, PSConfig
-from gradmesh.config.sections import (COMPRESSIONS, DEVICES, OPTIMIZERS, PP_SCHEDULES, RECOVERY, CheckpointConfig, Config,
+from gradmesh.config.compression import COMPRESSIONS
+from gradmesh.config.sections import (DEVICES, OPTIMIZERS, PP_SCHEDULES, RECOVERY, CheckpointConfig, Config,
                                       DataConfig, FaultConfig, LaunchConfig, ModelConfig, MonitorConfig, RunConfig,
                                       TrainConfig)
 from gradmesh.config.workload import MODELS

@@ -12,13 +12,13 @@ from gradmesh.config import checks as _checks
 from gradmesh.config.checks import finite as _finite
 from gradmesh.config.checks import one_of as _one_of
 from gradmesh.config.checks import positive as _positive
+from gradmesh.config.compression import parse_compression
 from gradmesh.config.ps import PSConfig
 from gradmesh.config.workload import DataConfig, ModelConfig
 from gradmesh.errors import UsageError
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 OPTIMIZERS = ("adamw", "sgd")
-COMPRESSIONS = ("none", "fp16", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -44,7 +44,8 @@ class TrainConfig:
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB for DDP's all-reduce (DDP's own default: 25)."""
     compression: str = "none"
-    """How data-parallel gradients travel: none (fp32), fp16 or bf16 (half the bytes)."""
+    """How data-parallel gradients travel: none (fp32), fp16 or bf16 (half the bytes), powersgd:rank=R[,start=N]
+    (low-rank, with error feedback, after N plain steps) or topk:ratio=K (the largest K of each gradient, with error feedback)."""
     optimizer: str = "adamw"
     """adamw or sgd."""
     lr: float = 2e-3
@@ -81,7 +82,7 @@ class TrainConfig:
     def __post_init__(self):
         _finite(self)
         _one_of("train", "optimizer", self.optimizer, OPTIMIZERS)
-        _one_of("train", "compression", self.compression, COMPRESSIONS)
+        parse_compression(self.compression)
         _one_of("train", "pp_schedule", self.pp_schedule, PP_SCHEDULES)
         for name in ("global_batch_size", "grad_accum", "microbatches", "max_steps", "decay_steps", "eval_batches", "log_every"):
             _positive("train", name, getattr(self, name))

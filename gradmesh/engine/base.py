@@ -188,14 +188,23 @@ class Engine:
     # -- state ---------------------------------------------------------------------------------
 
     def checkpoint_state(self, for_load: bool = False) -> dict:
-        """Model and optimizer state keyed by parameter name (DCP reshards it on load)."""
+        """Model and optimizer state keyed by parameter name (DCP reshards it on load), and the
+        reducer's own state per rank where it keeps one (error feedback; on load the checkpoint's
+        metadata says what there is: `gradmesh.fault.checkpoint.comm_targets`)."""
         owner = self.plan.state_owner
-        return {"model": get_model_state_dict(self.model),
-                "optim": load(owner.optimizer_state)(self.model, self.optimizer, for_load)}
+        payload = {"model": get_model_state_dict(self.model),
+                   "optim": load(owner.optimizer_state)(self.model, self.optimizer, for_load)}
+        comm = {} if for_load or self.job.reducer is None else self.job.reducer.state_dict()
+        if comm:
+            payload["comm"] = {f"rank{self.topology.rank}": comm}
+        return payload
 
     def install_checkpoint(self, payload: dict) -> None:
         set_model_state_dict(self.model, payload["model"])
         load(self.plan.state_owner.load_optimizer_state)(self.model, self.optimizer, payload["optim"])
+        comm = payload.get("comm", {}).get(f"rank{self.topology.rank}")
+        if comm and self.job.reducer is not None:
+            self.job.reducer.load_state_dict(comm)
 
     def eval_model(self) -> nn.Module:
         """Collective: a module that evaluates the whole model on this rank."""

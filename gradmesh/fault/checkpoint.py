@@ -186,6 +186,9 @@ class Checkpointer:
     def load(self, path: Path, target) -> dict:
         """Load model and optimizer state in place from `path`; returns its trainer state."""
         payload = target.checkpoint_state(for_load=True)
+        comm = comm_targets(path, dist.get_rank())
+        if comm:
+            payload["comm"] = comm
         try:
             safeload.load(payload, path, process_group=self.group)
         except (Exception, CheckpointException) as exc:
@@ -208,6 +211,16 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {key.removeprefix("model."): tuple(meta.size)
             for key, meta in safeload.read_metadata(path).state_dict_metadata.items()
             if key.startswith("model.") and hasattr(meta, "size")}
+
+
+def comm_targets(path: Path, rank: int) -> dict:
+    """Tensors to load rank `rank`'s reducer state into, shaped as the checkpoint holds them
+    (error feedback is each rank's own; a checkpoint written without it gives none)."""
+    prefix = f"comm.rank{rank}."
+    found = {key.removeprefix(prefix): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+             for key, meta in safeload.read_metadata(path).state_dict_metadata.items()
+             if key.startswith(prefix) and hasattr(meta, "size")}
+    return {f"rank{rank}": found} if found else {}
 
 
 def shape_mismatches(saved: dict[str, tuple], current: dict[str, tuple]) -> list[str]:

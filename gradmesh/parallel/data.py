@@ -51,4 +51,4 @@ def no_sync(model: nn.Module, topology: Topology, options: ApplyOptions, last_mi
 def flat_average_sync(model: nn.Module, topology: Topology, options: ApplyOptions, last_micro_batch: bool):
     yield
     if last_micro_batch:
-        average_gradients(model.parameters(), options.reducer, topology.group("dp"))
+        average_gradients(model.named_parameters(), options.reducer, topology.group("dp"))
