@@ -117,3 +117,29 @@ half as far; and 10 steps, resumed
     checkpoint.checkpoint_root(split).joinpath("step-20").rename(split / "not-this-one")
     train(split, 2, "--resume", "--max-steps", "20")
     assert rel_l2(weights(split), weights(run)) <= 1e-6
+
+
+def test_auto_keeps_a_fast_link_uncompressed_and_says_why(catalogue):
+    """On loopback the probe finds the all-reduce a small share of compute: auto picks none, so
+    the run trains exactly the uncompressed model, and compression.json holds the figures."""
+    import json
+
+    run = catalogue.run(2, *STEPS, "--optimizer", "sgd", "--compression", "auto")
+    chosen = json.loads((run / "compression.json").read_text())
+    assert chosen["choice"] == "none" and chosen["step"] == 2 and chosen["bandwidth_Bps"] > 0
+    assert chosen["estimated_comm_s"] <= 0.1 * chosen["compute_s"]
+    assert rel_l2(weights(run), weights(ddp_run(catalogue, 2, "sgd"))) == 0
+
+
+def test_auto_compresses_when_the_all_reduce_would_dominate():
+    """The rule, from its figures: 4 bytes x P over the bus bandwidth, against compute."""
+    import torch
+    from gradmesh.comm.auto import decide
+
+    matrices = [torch.Size([512, 512])] * 4 + [torch.Size([512])]
+    fast = decide(matrices, 2, bandwidth=10e9, step_s=0.5, feedback_ok=True)
+    assert fast["choice"] == "none" and math.isclose(fast["estimated_comm_s"], 4 * fast["params"] / 10e9)
+    slow = decide(matrices, 2, bandwidth=25e6, step_s=0.5, feedback_ok=True)  # 0.17 s of a 0.33 s compute
+    assert slow["choice"] == "powersgd:rank=4" and math.isclose(slow["compute_s"], 0.5 - slow["estimated_comm_s"])
+    assert decide(matrices, 2, bandwidth=25e6, step_s=0.5, feedback_ok=False)["choice"] == "bf16"
+    assert decide([torch.Size([4096])], 2, bandwidth=1e3, step_s=0.5, feedback_ok=True)["choice"] == "bf16"

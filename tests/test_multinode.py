@@ -11,7 +11,7 @@ import time
 import pytest
 
 from helpers import TINY, rel_l2, weights
-from netns import Hosts
+from gradmesh.netns import Hosts
 from runs import STEPS, ddp_run
 
 NO_HOSTS = Hosts.unavailable()

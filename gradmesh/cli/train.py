@@ -174,7 +174,7 @@ def _check_parallelism(cfg: configuration.Config, nproc: int, world: int, meta_m
         accepted = ", ".join(row.name for row in registry.ROWS if row.reduces_gradients)
         raise UsageError(f"--compression {cfg.train.compression} applies to gradients averaged by all-reduce "
                          f"({accepted}), not to {plan.label}; leave it out or use one of those")
-    if parse_compression(cfg.train.compression)[0] in ("powersgd", "topk") and plan.engine == "ps":
+    if parse_compression(cfg.train.compression)[0] in ("powersgd", "topk", "auto") and plan.engine == "ps":
         raise UsageError(f"--compression {cfg.train.compression}: error feedback is kept per parameter, which "
                          f"{plan.label}'s bucketed dense all-reduce does not carry yet; use none, fp16 or bf16 with it")
     return plan

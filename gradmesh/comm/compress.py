@@ -34,10 +34,13 @@ class CastAllReduce(Reducer):
 
 def reducer_for(compression: str) -> Reducer | None:
     """The base reducer of `--compression` (None: the plain fp32 mean)."""
+    from gradmesh.comm.auto import AutoCompression
     from gradmesh.comm.feedback import PowerSGD, TopK
     from gradmesh.config.compression import parse_compression
 
     method, options = parse_compression(compression)
+    if method == "auto":
+        return AutoCompression()
     if method in COMPRESSIONS:
         return CastAllReduce(method)
     if method == "powersgd":

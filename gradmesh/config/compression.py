@@ -2,9 +2,10 @@
 
 from gradmesh.errors import UsageError
 
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd:rank=R[,start=N]", "topk:ratio=K")
-ACCEPTED = "none, fp16, bf16, powersgd:rank=R[,start=N] (R >= 1, N >= 0) or topk:ratio=K (0 < K <= 1)"
-PARAMETERS = {"none": {}, "fp16": {}, "bf16": {}, "powersgd": {"rank": int, "start": int}, "topk": {"ratio": float}}
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd:rank=R[,start=N]", "topk:ratio=K", "auto")
+ACCEPTED = "none, fp16, bf16, powersgd:rank=R[,start=N] (R >= 1, N >= 0), topk:ratio=K (0 < K <= 1) or auto"
+PARAMETERS = {"none": {}, "fp16": {}, "bf16": {}, "powersgd": {"rank": int, "start": int}, "topk": {"ratio": float},
+              "auto": {}}
 REQUIRED = {"powersgd": ("rank",), "topk": ("ratio",)}
 DEFAULTS = {"powersgd": {"start": 2}}
 """PowerSGD starts after 2 plain steps: DDP rebuilds its buckets after the first (as torch's own

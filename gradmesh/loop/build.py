@@ -4,6 +4,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from gradmesh.comm import CommCounter
+from gradmesh.comm.auto import AutoCompression
 from gradmesh.config import FaultConfig, MonitorConfig
 from gradmesh.engine import StepProbe
 from gradmesh.chaos import parse_chaos
@@ -73,6 +74,10 @@ def services(trainer, faults: FaultConfig) -> Services:
     if trainer.monitor.clock is not None:
         checks.append(ReplicaCheck(ctx, reporting, trainer.monitor.config.check_every))
     recorder = [SampleRecorder(ctx)] if train.record_samples else []
+    if isinstance(trainer.auto_compression, AutoCompression):
+        from gradmesh.loop.compression import CompressionChoice
+
+        checks.insert(0, CompressionChoice(ctx, reporting, trainer.auto_compression, trainer.plan.engine != "ps"))
     found.all = [s for s in (found.watchdog, found.faults, reporting, found.recovery) if s] + recorder + checks
     if found.recovery:
         found.recovery.services = [s for s in found.all if s is not found.recovery]

@@ -65,7 +65,8 @@ class Trainer:
         self.plan = resolve(self.train.strategy, self.topo.mesh_shape)
         self.monitor, self.counter = build.monitor(session, monitor, self.run_dir, self.plan)
         optimizer_class, kwargs = optimizer or optimizer_spec(self.train)
-        reducer = build_reducer(self.counter, self.monitor.clock, session.membership, reducer_for(self.train.compression))
+        self.auto_compression = reducer_for(self.train.compression)
+        reducer = build_reducer(self.counter, self.monitor.clock, session.membership, self.auto_compression)
         faults = faults or FaultConfig()
         job = Job(loss_fn, dataset, self.train, optimizer_class, kwargs, criterion, reducer, self.counter, ps or PSConfig(),
                   session.membership, faults.step_timeout)

@@ -63,7 +63,7 @@ class Hosts:
             _ip("-n", name, "link", "set", "eth0", "up")
             if self.rate:
                 self.run_in(i, ["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", self.rate,
-                                "burst", "256kbit", "latency", "50ms"], check=True)
+                                "burst", "256kb", "latency", "100ms"], check=True)
 
     def __exit__(self, *exc) -> None:
         for name in [*self.names, self.bridge]:  # a namespace takes its veth ends with it
