@@ -29,7 +29,7 @@ from gradmesh.netns import Hosts
 HERE = Path(__file__).parent
 RATE_MBIT = 200
 SIZES = {"gpt-char": [], "gpt-char 4x wide": ["--set", "model.n_embd=512", "--set", "model.n_head=8"]}
-SETTINGS = ["none", "fp16", "bf16", "powersgd:rank=4", "topk:ratio=0.01", "auto"]
+SETTINGS = ["none", "fp16", "bf16", "powersgd:rank=4", "topk:ratio=0.1", "topk:ratio=0.01", "auto"]
 
 
 def two_hosts(rate: str, steps: int, compression: str, extra: list[str]) -> list[dict]:

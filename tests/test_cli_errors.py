@@ -62,6 +62,7 @@ CASES = {
     "powersgd without a rank": (["--compression", "powersgd"], ["--compression 'powersgd'", "powersgd:rank=R"]),
     "topk ratio out of range": (["--compression", "topk:ratio=1.5"], ["--compression 'topk:ratio=1.5'", "0 < K <= 1"]),
     "unknown compression": (["--compression", "zstd"], ["--compression 'zstd'", "fp16, bf16"]),
+    "bucket size of zero": (["--bucket-mb", "0"], ["--bucket-mb must be a size in MiB > 0", "'auto'"]),
     "error feedback under hybrid": (["--strategy", "hybrid", "--nproc", "3", "--model", "recsys", "--compression",
                                      "topk:ratio=0.1"], ["--compression topk:ratio=0.1", "hybrid", "fp16 or bf16"]),
     "hybrid without tables": (["--strategy", "hybrid", "--nproc", "3", "--model", "mlp-digits", "--global-batch-size", "32"],

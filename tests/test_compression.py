@@ -119,16 +119,43 @@ half as far; and 10 steps, resumed
     assert rel_l2(weights(split), weights(run)) <= 1e-6
 
 
-def test_auto_keeps_a_fast_link_uncompressed_and_says_why(catalogue):
-    """On loopback the probe finds the all-reduce a small share of compute: auto picks none, so
-    the run trains exactly the uncompressed model, and compression.json holds the figures."""
+def test_auto_keeps_a_fast_link_uncompressed_and_retimed_buckets_change_nothing(catalogue):
+    """On loopback the probe finds the all-reduce a small share of compute: auto picks none, and
+    compression.json holds the figures; --bucket-mb auto re-wraps DDP for its trial (this model
+    fits one 1 MiB bucket: one candidate, timed over 2 steps) and records it. The run trains
+    exactly the model of the plain uncompressed run."""
     import json
 
-    run = catalogue.run(2, *STEPS, "--optimizer", "sgd", "--compression", "auto")
+    run = catalogue.run(2, *STEPS, "--optimizer", "sgd", "--compression", "auto", "--bucket-mb", "auto")
     chosen = json.loads((run / "compression.json").read_text())
     assert chosen["choice"] == "none" and chosen["step"] == 2 and chosen["bandwidth_Bps"] > 0
     assert chosen["estimated_comm_s"] <= 0.1 * chosen["compute_s"]
+    buckets = json.loads((run / "buckets.json").read_text())
+    assert buckets["chosen_mb"] == 1.0 and [len(t) for t in buckets["step_s"].values()] == [2]
     assert rel_l2(weights(run), weights(ddp_run(catalogue, 2, "sgd"))) == 0
+
+
+def test_bucket_tuning_times_each_size_after_its_rebuild_step_and_keeps_the_fastest(solo_group):
+    """A 30 MiB model: candidates 1, 5, 25 and 100 MiB, each for 3 steps after step 1, the
+    first of each (DDP rebuilding its buckets) not timed; 5 MiB was fastest and stays."""
+    from types import SimpleNamespace
+
+    import torch
+    from gradmesh.loop.buckets import BucketTuning, candidates
+
+    assert candidates(0.1) == [1.0] and candidates(3.3) == [1.0, 5.0] and candidates(200) == [1.0, 5.0, 25.0, 100.0]
+    wrapped = []
+    engine = SimpleNamespace(model=torch.nn.Linear(2800, 2800), rebucket=lambda mb: wrapped.append(mb) or True)
+    ctx = SimpleNamespace(engine=engine, is_main=False, topology=SimpleNamespace(group=lambda name: solo_group))
+    tuning = BucketTuning(ctx, reporting=None, max_steps=20)
+    tuning.start(0)
+    speed = {1.0: 0.3, 5.0: 0.1, 25.0: 0.2, 100.0: 0.4}
+    for step in range(1, 15):
+        current = wrapped[-1] if wrapped else 25.0
+        first_of_trial = step in (2, 5, 8, 11)
+        tuning.after_step(SimpleNamespace(step=step), 9.0 if first_of_trial else speed[current])
+    assert wrapped == [1.0, 5.0, 25.0, 100.0, 5.0]
+    assert tuning.timings == {mb: [t, t] for mb, t in speed.items()}
 
 
 def test_auto_compresses_when_the_all_reduce_would_dominate():

@@ -13,7 +13,7 @@ FLAG_KEYS = {
     "model": "model.name", "data": "data.path", "strategy": "train.strategy", "mesh": "train.mesh",
     "ps_servers": "ps.servers", "ps_mode": "ps.mode",
     "pp_schedule": "train.pp_schedule", "microbatches": "train.microbatches", "pp_split": "train.pp_split",
-    "global_batch_size": "train.global_batch_size", "grad_accum": "train.grad_accum", "compression": "train.compression",
+    "global_batch_size": "train.global_batch_size", "grad_accum": "train.grad_accum", "bucket_mb": "train.bucket_mb", "compression": "train.compression",
     "optimizer": "train.optimizer", "lr": "train.lr", "max_steps": "train.max_steps",
     "seed": "train.seed", "eval_every": "train.eval_every", "record_samples": "train.record_samples",
     "checkpoint_every": "checkpoint.every", "resume": "checkpoint.resume",
@@ -48,6 +48,19 @@ def _ascii_number(kind: type):
 
 
 integer, number = _ascii_number(int), _ascii_number(float)
+
+
+def bucket_type(text: str) -> float:
+    """--bucket-mb: MiB > 0, or 'auto' (0: timed over the first steps)."""
+    if text == "auto":
+        return 0.0
+    try:
+        value = number(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        value = -1.0
+    if not 0 < value < 1e6:
+        raise argparse.ArgumentTypeError(f"--bucket-mb must be a size in MiB > 0 (e.g. 25) or 'auto', got {text!r}")
+    return value
 
 
 def nproc_type(text: str) -> int:

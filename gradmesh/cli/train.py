@@ -12,7 +12,7 @@ from gradmesh import config as configuration
 from gradmesh import rundir
 from gradmesh.runlock import RunLock
 from gradmesh.cli.memory import check_memory
-from gradmesh.cli.options import add_launch_options, integer, launch_shape, number, resolve_config
+from gradmesh.cli.options import add_launch_options, bucket_type, integer, launch_shape, number, resolve_config
 from gradmesh.config.compression import parse_compression
 from gradmesh.config.ps import check_ps_options_need_ps
 from gradmesh.errors import NothingToDo, UsageError
@@ -61,6 +61,8 @@ def _add_how_options(train: argparse.ArgumentParser) -> None:
     how.add_argument("--global-batch-size", type=integer, metavar="B", help="samples per optimizer step over all ranks (default 32)")
     how.add_argument("--grad-accum", type=integer, metavar="K", help="micro-batches per rank per step (default 1)")
     how.add_argument("--optimizer", choices=configuration.OPTIMIZERS, help="default adamw")
+    how.add_argument("--bucket-mb", type=bucket_type, metavar="MB",
+                     help="DDP's gradient bucket size in MiB, or 'auto': a few sizes timed over the first steps (default 25)")
     how.add_argument("--compression", metavar="METHOD",
                      help="data-parallel gradients on the wire: none (fp32, default), fp16 or bf16 (half the bytes), "
                           "powersgd:rank=R[,start=N] or topk:ratio=K (both with error feedback)")

@@ -42,7 +42,8 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches per rank per optimizer step."""
     bucket_mb: float = 25.0
-    """Gradient bucket size in MiB for DDP's all-reduce (DDP's own default: 25)."""
+    """Gradient bucket size in MiB for DDP's all-reduce (DDP's own default: 25); 0 (--bucket-mb auto): a few
+    sizes timed over the first steps, the fastest kept."""
     compression: str = "none"
     """How data-parallel gradients travel: none (fp32), fp16 or bf16 (half the bytes), powersgd:rank=R[,start=N]
     (low-rank, with error feedback, after N plain steps) or topk:ratio=K (the largest K of each gradient, with error feedback)."""
@@ -90,8 +91,8 @@ class TrainConfig:
             _positive("train", name, getattr(self, name), allow_zero=True)
         if not 0 <= self.seed < 2**63:
             raise UsageError(f"train.seed must be in [0, 2^63), got {self.seed}")
-        if not 0 < self.bucket_mb < 1e6:
-            raise UsageError(f"train.bucket_mb must be > 0 (MiB, e.g. 25), got {self.bucket_mb}")
+        if not 0 <= self.bucket_mb < 1e6:
+            raise UsageError(f"train.bucket_mb must be > 0 (MiB, e.g. 25) or 0 (auto), got {self.bucket_mb}")
         if self.lr <= 0 or self.min_lr < 0:
             raise UsageError(f"train.lr must be > 0 and train.min_lr >= 0, got {self.lr}, {self.min_lr}")
         if self.table_lr <= 0:

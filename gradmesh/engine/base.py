@@ -16,6 +16,7 @@ gradient is exactly the mean over the global batch whatever the world size, the 
 micro-batches, or a short last batch of an epoch.
 """
 
+import dataclasses
 import math
 import resource
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from gradmesh.config import TrainConfig
 from gradmesh.data import GlobalBatch
 from gradmesh.monitor.breakdown import NullClock
 from gradmesh.parallel.compose import apply_plan, gradient_sync
-from gradmesh.parallel.options import ApplyOptions
+from gradmesh.parallel.options import DEFAULT_BUCKET_MB, ApplyOptions
 from gradmesh.parallel.registry import Plan, load
 from gradmesh.parallel.state import model_state_bytes
 from gradmesh.topology import Topology
@@ -131,7 +132,7 @@ class Engine:
 
     def __init__(self, topology: Topology, plan: Plan, model: nn.Module, job: Job):
         self.topology, self.plan, self.job, self.plain = topology, plan, job, model
-        self.options = ApplyOptions(reducer=job.reducer, bucket_mb=job.train.bucket_mb,
+        self.options = ApplyOptions(reducer=job.reducer, bucket_mb=job.train.bucket_mb or DEFAULT_BUCKET_MB,
                                     pipeline=self.pipeline_options(model))
         self.model = apply_plan(model, topology, plan, self.options)
         owner = plan.state_owner
@@ -172,6 +173,19 @@ class Engine:
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * factor
         return self.optimizer.param_groups[0]["lr"]
+
+    def rebucket(self, bucket_mb: float) -> bool:
+        """Wrap the model in DDP again with buckets of `bucket_mb` MiB (--bucket-mb auto's trials);
+        False where no DDP buckets the gradients (meshes average one flat buffer)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from gradmesh.parallel.data import apply_ddp
+
+        if not isinstance(self.model, DistributedDataParallel):
+            return False
+        self.options = dataclasses.replace(self.options, bucket_mb=bucket_mb)
+        self.model = apply_ddp(self.model.module, self.topology, self.options)
+        return True
 
     def clip(self, max_norm: float) -> None:
         from gradmesh.parallel.tensor import clip_gradients

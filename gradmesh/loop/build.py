@@ -74,6 +74,10 @@ def services(trainer, faults: FaultConfig) -> Services:
     if trainer.monitor.clock is not None:
         checks.append(ReplicaCheck(ctx, reporting, trainer.monitor.config.check_every))
     recorder = [SampleRecorder(ctx)] if train.record_samples else []
+    if not train.bucket_mb and trainer.engine.lockstep:
+        from gradmesh.loop.buckets import BucketTuning
+
+        checks.insert(0, BucketTuning(ctx, reporting, train.max_steps))
     if isinstance(trainer.auto_compression, AutoCompression):
         from gradmesh.loop.compression import CompressionChoice
 

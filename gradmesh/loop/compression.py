@@ -2,12 +2,10 @@
 
 import json
 
-import torch.distributed as dist
-
 from gradmesh.comm.auto import DECIDE_AFTER, AutoCompression, decide, probe_bandwidth
 from gradmesh.comm.compress import reducer_for
 from gradmesh.files import atomic_write
-from gradmesh.loop.services import RunContext, Service
+from gradmesh.loop.services import RunContext, Service, slowest
 
 
 class CompressionChoice(Service):
@@ -26,7 +24,7 @@ class CompressionChoice(Service):
         topology = self.ctx.topology
         group = topology.group("dp")
         figures = probe_bandwidth(group, topology.device)
-        step_s = _slowest(elapsed, group)
+        step_s = slowest(elapsed, group)
         shapes = [p.shape for p in self.ctx.engine.model.parameters() if p.requires_grad]
         figures.update(decide(shapes, topology.dp_size, figures["bandwidth_Bps"], step_s, self.feedback_ok),
                        step=outcome.step, ranks=topology.dp_size)
@@ -39,10 +37,3 @@ class CompressionChoice(Service):
             self.reporting.note(f"--compression auto: {figures['choice']} from step {outcome.step + 1} "
                                 f"(link {figures['bandwidth_Bps'] * 8 / 1e6:,.0f} Mbit/s; {figures['reason']})")
 
-
-def _slowest(seconds: float, group) -> float:
-    import torch
-
-    value = torch.tensor([seconds])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return value.item()

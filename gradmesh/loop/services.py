@@ -33,6 +33,16 @@ class RunContext:
         return self.topology.is_main
 
 
+def slowest(seconds: float, group) -> float:
+    """Collective over `group`: the largest of every rank's `seconds`."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return value.item()
+
+
 class Service:
     lockstep = False
     """True: calls a collective, so every rank must reach the same step."""

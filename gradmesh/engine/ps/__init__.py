@@ -30,6 +30,7 @@ from gradmesh.engine.ps.tables import TableShard
 from gradmesh.engine.ps.whole import WholeTables
 from gradmesh.engine.ps.worker import Worker, flat_views
 from gradmesh.parallel.ps import Roles, dense_parameters, layout_of, sparse_tables, to_device
+from gradmesh.parallel.options import DEFAULT_BUCKET_MB
 from gradmesh.parallel.registry import Plan
 from gradmesh.topology import Topology
 
@@ -51,7 +52,7 @@ class ParameterServerEngine(SegmentReport):
         topology.role = "server" if is_server else "worker"
         self.dense, self.sparse = dense_parameters(model), sparse_tables(model)
         self.flat, grads = flat_views([p for _, p in self.dense], topology.device, gradients=not is_server)
-        bucket = max(1, int(job.train.bucket_mb * 2**20) // self.flat.element_size())
+        bucket = max(1, int((job.train.bucket_mb or DEFAULT_BUCKET_MB) * 2**20) // self.flat.element_size())
         servers_group = self._connect(topology)
         self.server = self.worker = self.optimizer = None
         if is_server:
