@@ -74,3 +74,35 @@ def test_two_nodes_on_loopback_train_like_one_process(catalogue, tmp_path, backe
     errors = finish(nodes, timeout=180)
     assert [proc.returncode for proc in nodes] == [0, 0], errors
     assert rel_l2(weights(tmp_path / "two"), weights(one)) <= 1e-5
+
+
+@pytest.mark.slow  # two launchers, a lost host, a replacement and a rendezvous round
+@pytest.mark.skipif(bool(NO_HOSTS), reason=f"no namespace hosts here ({NO_HOSTS})")
+def test_a_host_lost_whole_is_replaced_and_the_job_resumes_exactly(catalogue, tmp_path):
+    """Once the step-10 checkpoint is written, every process of host 1 (its launcher, and with it
+    its worker) is killed. Host 0's launcher restarts its worker; a new launcher on host 1 (as a
+    scheduler would start one, with --resume; at attempt 0 where its peer is at attempt 1) joins
+    the rendezvous; both resume from the newest checkpoint and the model equals one process's.
+    (Host 0 owns the endpoint and hosts c10d's store: losing that host loses the rendezvous,
+    as with torchrun.)"""
+    one = ddp_run(catalogue, 1, "sgd")
+    extra = ["--recovery", "restart", "--max-restarts", "2", "--checkpoint-every", "5",
+             # torch's defaults wait up to 30 s for late nodes and 15 s to call a silent one dead
+             "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1,close_timeout=5",
+             "--inject", "slow:rank=0,factor=10"]  # ~0.1 s steps: time to see the checkpoint and strike
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with Hosts(2) as hosts:
+        endpoint = f"{hosts.addresses[0]}:29400"
+        command = lambda node: node_command(tmp_path, "c10d", endpoint, node) + extra  # noqa: E731
+        nodes = [hosts.start(node, command(node), env=env) for node in range(2)]
+        written = tmp_path / "two" / "checkpoints" / "step-10"
+        deadline = time.monotonic() + 120
+        while not written.exists() and time.monotonic() < deadline and nodes[1].poll() is None:
+            time.sleep(0.05)
+        assert written.exists() and nodes[1].poll() is None, finish(nodes, timeout=1)
+        nodes[1].kill()  # SIGKILL: its worker dies with it (PDEATHSIG)
+        nodes[1].communicate()
+        nodes[1] = hosts.start(1, command(1) + ["--resume"], env=env)  # the run dir has checkpoints now
+        errors = finish(nodes, timeout=180)
+    assert [proc.returncode for proc in nodes] == [0, 0], errors
+    assert rel_l2(weights(tmp_path / "two"), weights(one)) <= 1e-5

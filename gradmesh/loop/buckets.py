@@ -13,7 +13,7 @@ import json
 import statistics
 
 from gradmesh.files import atomic_write
-from gradmesh.loop.services import RunContext, Service, slowest
+from gradmesh.loop.services import RunContext, Service, largest
 
 CANDIDATES_MB = (1.0, 5.0, 25.0, 100.0)
 TRIAL = 3
@@ -54,7 +54,7 @@ class BucketTuning(Service):
             return
         index, within = self._trial(outcome.step)
         if 0 <= index < len(self.sizes) and within > 0:
-            self.timings.setdefault(self.sizes[index], []).append(slowest(elapsed, self.ctx.topology.group("dp")))
+            self.timings.setdefault(self.sizes[index], []).append(largest(elapsed, self.ctx.topology.group("dp")))
         following, _ = self._trial(outcome.step + 1)
         if following != index and 0 <= following < len(self.sizes):
             if not self.ctx.engine.rebucket(self.sizes[following]):

@@ -5,7 +5,7 @@ import json
 from gradmesh.comm.auto import DECIDE_AFTER, AutoCompression, decide, probe_bandwidth
 from gradmesh.comm.compress import reducer_for
 from gradmesh.files import atomic_write
-from gradmesh.loop.services import RunContext, Service, slowest
+from gradmesh.loop.services import RunContext, Service, largest
 
 
 class CompressionChoice(Service):
@@ -24,7 +24,7 @@ class CompressionChoice(Service):
         topology = self.ctx.topology
         group = topology.group("dp")
         figures = probe_bandwidth(group, topology.device)
-        step_s = slowest(elapsed, group)
+        step_s = largest(elapsed, group)
         shapes = [p.shape for p in self.ctx.engine.model.parameters() if p.requires_grad]
         figures.update(decide(shapes, topology.dp_size, figures["bandwidth_Bps"], step_s, self.feedback_ok),
                        step=outcome.step, ranks=topology.dp_size)

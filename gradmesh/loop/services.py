@@ -33,14 +33,14 @@ class RunContext:
         return self.topology.is_main
 
 
-def slowest(seconds: float, group) -> float:
-    """Collective over `group`: the largest of every rank's `seconds`."""
+def largest(value: float, group) -> float:
+    """Collective over `group`: the largest of every rank's `value` (the slowest rank's time)."""
     import torch
     import torch.distributed as dist
 
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return value.item()
+    found = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    return found.item()
 
 
 class Service:

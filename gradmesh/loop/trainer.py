@@ -30,7 +30,7 @@ from gradmesh.errors import UsageError
 from gradmesh.loop import build
 from gradmesh.loop.finish import finish_run
 from gradmesh.loop.session import Session, init
-from gradmesh.loop.services import RunContext
+from gradmesh.loop.services import RunContext, largest
 from gradmesh.monitor.progress import print_summary
 from gradmesh.parallel.registry import resolve
 
@@ -138,6 +138,8 @@ class Trainer:
     def _prepare(self) -> int:
         """The run directory, the engine's own files, any checkpoint; the step to go on from."""
         joined = self.session.joined
+        if not joined:  # a host whose agent was replaced starts at attempt 0 while its peers restarted
+            self.restarted = largest(float(self.restarted), self.topo.group("world")) > 0
         if self.run_dir and self.topo.is_main and not joined:
             rundir.ensure_writable(self.run_dir)
             if not (self.checkpointing.resume or self.restarted):
