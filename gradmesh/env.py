@@ -103,3 +103,10 @@ def keep_on_interface(interface: str, override: bool = False) -> None:
             os.environ[name] = interface
         else:
             os.environ.setdefault(name, interface)
+
+
+def fresh_store_each_round() -> None:
+    """Multi-node: every rendezvous round publishes the workers' store address, so a node that
+    joins late finds it (torch's shared rendezvous store skips that after the first round of a
+    restarting launcher); a user's own setting wins."""
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

@@ -90,7 +90,7 @@ def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restart
         iface = network.node_settings(launch.rdzv_endpoint, launch.iface, launch.local_addr, "", "")["iface"]
         if iface:
             env.keep_on_interface(iface, override=bool(launch.iface))
-        network.fresh_store_each_round()
+        env.fresh_store_each_round()
     if inplace:
         from gradmesh.launch.inplace import run_inplace
 

@@ -12,14 +12,14 @@ to the address the nodes reach each other at (containers, network namespaces, ma
   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win too).
 A third is torch's: a launcher that restarts keeps the workers' store address it published in
 the first round and publishes nothing in the next, so a node that joins late (a lost host's
-replacement) waits for an address nobody writes; `fresh_store_each_round` turns off that
-sharing of the rendezvous store, and every round publishes its own.
+replacement) waits for an address nobody writes; gradmesh turns off that
+sharing of the rendezvous store (`gradmesh.env.fresh_store_each_round`), and every round
+publishes its own.
 Only the standard library is used: a UDP socket's connect picks the route without sending
 anything, and SIOCGIFADDR names each interface's address.
 """
 
 import fcntl
-import os
 import socket
 import struct
 
@@ -100,8 +100,3 @@ def node_settings(endpoint: str, iface: str, local_addr: str, rdzv_conf: str, ba
         if owns(address) and not torch_would_host(host):
             conf.append("is_host=true")
     return {"iface": iface, "local_addr": local, "rdzv_conf": ",".join(conf)}
-
-
-def fresh_store_each_round() -> None:
-    """Every rendezvous round publishes the workers' store address (a user's setting wins)."""
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
