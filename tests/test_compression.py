@@ -100,9 +100,9 @@ def feedback_bytes(shapes: list[tuple[int, ...]], method: str) -> int:
 def test_error_feedback_counts_its_bytes_converges_and_resumes_exactly(catalogue, tmp_path, method):
     """2 ranks, SGD, 20 steps: every step's bytes equal the method's formula (PowerSGD's first 2
     steps plain fp32); the loss ends within 5% of the uncompressed run's, having fallen at least
-half as far; and 10 steps, resumed
-    for 10 more from the checkpoint (each rank's error and PowerSGD's Q in it), equal 20 (without
-    that state the resumed run measured 7.7e-4 and 2.7e-3 away)."""
+half as far; and (PowerSGD) 10 steps, resumed
+    for 10 more from the checkpoint (each rank's error and Q in it), equal 20 (without that state
+    PowerSGD's resumed run measured 7.7e-4 away, top-k's 2.7e-3)."""
     run = catalogue.run(2, *STEPS, "--optimizer", "sgd", "--compression", method, "--checkpoint-every", "10")
     shapes = [tuple(t.shape) for t in weights(run).values()]
     plain = 4 * sum(math.prod(shape) for shape in shapes)
@@ -113,6 +113,8 @@ half as far; and 10 steps, resumed
     none = metrics(ddp_run(catalogue, 2, "sgd"))
     assert rows[-1]["loss"] <= 1.05 * none[-1]["loss"]
     assert rows[0]["loss"] - rows[-1]["loss"] >= 0.5 * (none[0]["loss"] - none[-1]["loss"])  # it learns (measured 97%, 61%)
+    if method.startswith("topk"):
+        return  # its error state is the base class's, which PowerSGD's resume below covers (with its Q)
     split = copy_run(run, tmp_path / "split")
     checkpoint.checkpoint_root(split).joinpath("step-20").rename(split / "not-this-one")
     train(split, 2, "--resume", "--max-steps", "20")
@@ -170,3 +172,13 @@ def test_auto_compresses_when_the_all_reduce_would_dominate():
     assert slow["choice"] == "powersgd:rank=4" and math.isclose(slow["compute_s"], 0.5 - slow["estimated_comm_s"])
     assert decide(matrices, 2, bandwidth=25e6, step_s=0.5, feedback_ok=False)["choice"] == "bf16"
     assert decide([torch.Size([4096])], 2, bandwidth=1e3, step_s=0.5, feedback_ok=True)["choice"] == "bf16"
+
+
+def test_fsdp_reduce_scatters_at_half_width(catalogue):
+    """fsdp with bf16: FSDP2's reduce dtype; the model stays within a rounding error of fp32
+    fsdp's after 20 SGD steps, yet not identical to it (the gradients did travel rounded)."""
+    from runs import TENS, sharded_run
+
+    run = catalogue.run(2, *STEPS, "--optimizer", "sgd", "--strategy", "fsdp", "--compression", "bf16", *TENS)
+    distance = rel_l2(weights(run), weights(sharded_run(catalogue, 2, "sgd", "fsdp")))
+    assert 0 < distance <= 1e-4, distance

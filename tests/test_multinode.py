@@ -48,10 +48,10 @@ def node_command(tmp_path, backend: str, endpoint: str, node: int) -> list[str]:
 
 @pytest.mark.slow  # two launchers and a rendezvous per case; 2-rank parity on one node stays in the fast tier
 @pytest.mark.skipif(bool(NO_HOSTS), reason=f"no namespace hosts here ({NO_HOSTS})")
-@pytest.mark.parametrize("backend", ["c10d", "static"])
+@pytest.mark.parametrize("backend", ["static"])  # c10d: the lost-host test below trains to parity through it
 def test_two_hosts_train_like_one_process(catalogue, tmp_path, backend):
     """The endpoint is host 0's interface address, which its host name does not resolve to:
-    c10d finds no store host and gloo listens on 127.0.0.1 unless gradmesh picks both itself."""
+    gloo listens on 127.0.0.1 (and c10d finds no store host) unless gradmesh picks both itself."""
     one = ddp_run(catalogue, 1, "sgd")  # the parity reference; its replica checks and records change nothing trained
     with Hosts(2) as hosts:
         endpoint = f"{hosts.addresses[0]}:29400"

@@ -172,13 +172,11 @@ def _check_parallelism(cfg: configuration.Config, nproc: int, world: int, meta_m
     cfg.check_world(math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
     plan = registry.resolve(cfg.train.strategy, mesh)
     plan.check(cfg, meta_model)
-    if cfg.train.compression != "none" and not plan.reduces_gradients:
-        accepted = ", ".join(row.name for row in registry.ROWS if row.reduces_gradients)
-        raise UsageError(f"--compression {cfg.train.compression} applies to gradients averaged by all-reduce "
-                         f"({accepted}), not to {plan.label}; leave it out or use one of those")
-    if parse_compression(cfg.train.compression)[0] in ("powersgd", "topk", "auto") and plan.engine == "ps":
-        raise UsageError(f"--compression {cfg.train.compression}: error feedback is kept per parameter, which "
-                         f"{plan.label}'s bucketed dense all-reduce does not carry yet; use none, fp16 or bf16 with it")
+    method = parse_compression(cfg.train.compression)[0]
+    if method != "none" and method not in plan.compressions:
+        accepted = ", ".join(["none", *plan.compressions])
+        raise UsageError(f"--compression {cfg.train.compression} does not apply to {plan.label}; "
+                         f"accepted with it: {accepted}")
     return plan
 
 

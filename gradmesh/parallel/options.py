@@ -13,5 +13,7 @@ class ApplyOptions:
     """gradmesh.comm.Reducer: the one path data-parallel gradients are averaged on."""
     bucket_mb: float = 25.0
     """DDP's gradient bucket size in MiB."""
+    compression: str = "none"
+    """--compression: what fsdp sets its reduce dtype from (other strategies use the reducer)."""
     pipeline: object = None
     """gradmesh.parallel.pipeline.PipelineOptions when the plan has a pipeline axis."""

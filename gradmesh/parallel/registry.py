@@ -89,9 +89,11 @@ class Strategy:
     server's shard): under in-place recovery every rank then restarts from the last checkpoint."""
     step_breakdown: bool = True
     """The monitor's per-phase step breakdown applies (its ranks step together)."""
-    reduces_gradients: bool = True
-    """Its data-parallel gradients are averaged through the job's reducer (where --compression
-    applies); fsdp reduce-scatters in FSDP2 and ps pushes through its own wire."""
+    compressions: tuple[str, ...] = ("fp16", "bf16", "powersgd", "topk", "auto")
+    """The --compression methods its data-parallel gradients can travel by: all of them through
+    the job's reducer (per-parameter parts for error feedback); fsdp reduce-scatters in FSDP2 at
+    its reduce dtype (fp16, bf16); hybrid all-reduces bucket slices without parameter parts;
+    ps pushes through its own wire."""
     dense_on_workers: bool = False
     """Parameter-server family: the dense parameters are replicated on the workers and averaged
     among them by all-reduce; the servers hold only the sparse tables (hybrid)."""
@@ -153,7 +155,7 @@ ROWS = (
              "fully sharded: parameters, gradients and optimizer state split (FSDP2)",
              state_bytes=lambda size, n: _all_bytes(size) / n,
              wire_bytes=lambda size, n: 3 * _ring(n) * FP32 * size.params,
-             sync="gradmesh.parallel.sharded:fsdp_sync", reduces_gradients=False),
+             sync="gradmesh.parallel.sharded:fsdp_sync", compressions=("fp16", "bf16")),
     Strategy("tp", "tp", "collective", "gradmesh.parallel.tensor:apply_tp",
              "tensor parallel: attention heads and MLP columns split (DTensor plans)",
              state_bytes=_tp_state,
@@ -174,7 +176,7 @@ ROWS = (
              state_bytes=lambda size, n: FP32 * size.params * 2,
              wire_bytes=lambda size, n: 2 * FP32 * size.params,
              roles=("worker", "server"), sync="gradmesh.parallel.data:no_sync", checks=(_check_ps,),
-             same_work=False, step_breakdown=False, inplace_recovery=True, reduces_gradients=False,
+             same_work=False, step_breakdown=False, inplace_recovery=True, compressions=(),
              critical="gradmesh.parallel.ps:server_ranks"),
     # The dense part as ddp keeps it, among the W workers; the tables' rows move as under ps
     # (counted apart, per row touched). In-place recovery would have to regroup the workers'
@@ -185,7 +187,7 @@ ROWS = (
              state_bytes=lambda size, n: _all_bytes(size),
              wire_bytes=lambda size, n: FP32 * size.params,
              roles=("worker", "server"), sync="gradmesh.parallel.data:no_sync", checks=(_check_hybrid,),
-             same_work=False, step_breakdown=False, dense_on_workers=True),
+             same_work=False, step_breakdown=False, dense_on_workers=True, compressions=("fp16", "bf16")),
 )
 STRATEGIES = {row.name: row for row in ROWS}
 
@@ -248,8 +250,8 @@ class Plan:
         return all(row.inplace_recovery for row in self.rows)
 
     @property
-    def reduces_gradients(self) -> bool:
-        return all(row.reduces_gradients for row in self.rows)
+    def compressions(self) -> tuple[str, ...]:
+        return tuple(method for method in self.rows[0].compressions if all(method in row.compressions for row in self.rows))
 
     @property
     def state_owner(self) -> Strategy:

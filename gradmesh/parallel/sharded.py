@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from gradmesh.parallel.options import ApplyOptions
@@ -38,12 +38,18 @@ def _units(model: nn.Module) -> list[nn.Module]:
     return []
 
 
+REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 def apply_fsdp(model: nn.Module, topology: Topology, options: ApplyOptions) -> nn.Module:
+    """--compression fp16|bf16: FSDP2 reduce-scatters the gradients at that width (its reduce
+    dtype; parameters and the sharded gradients stay fp32)."""
     model.to(topology.device)
     mesh = topology.mesh[data_axis(topology)]
+    policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES.get(options.compression))
     for unit in _units(model):
-        fully_shard(unit, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def fsdp_sync(model: nn.Module, topology: Topology, options: ApplyOptions, last_micro_batch: bool):
