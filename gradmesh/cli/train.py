@@ -65,7 +65,7 @@ def _add_how_options(train: argparse.ArgumentParser) -> None:
                      help="DDP's gradient bucket size in MiB, or 'auto': a few sizes timed over the first steps (default 25)")
     how.add_argument("--compression", metavar="METHOD",
                      help="data-parallel gradients on the wire: none (fp32, default), fp16 or bf16 (half the bytes), "
-                          "powersgd:rank=R[,start=N] or topk:ratio=K (both with error feedback)")
+                          "powersgd:rank=R[,start=N], topk:ratio=K[,start=N] (both with error feedback) or auto")
     how.add_argument("--lr", type=number, help="peak learning rate")
     how.add_argument("--max-steps", type=integer, metavar="N", help="optimizer steps to run (default 1500)")
     how.add_argument("--seed", type=integer)

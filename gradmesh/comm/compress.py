@@ -45,4 +45,4 @@ def reducer_for(compression: str) -> Reducer | None:
         return CastAllReduce(method)
     if method == "powersgd":
         return PowerSGD(options["rank"], options["start"])
-    return TopK(options["ratio"]) if method == "topk" else None
+    return TopK(options["ratio"], options.get("start", 0)) if method == "topk" else None

@@ -157,8 +157,8 @@ class PowerSGD(ErrorFeedback):
 
 
 class TopK(ErrorFeedback):
-    def __init__(self, ratio: float):
-        super().__init__(0)
+    def __init__(self, ratio: float, start: int = 0):
+        super().__init__(start)
         self.ratio, self.name = ratio, f"topk_{ratio:g}"
 
     def _k(self, shape: torch.Size) -> int:

@@ -2,9 +2,10 @@
 
 from gradmesh.errors import UsageError
 
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd:rank=R[,start=N]", "topk:ratio=K", "auto")
-ACCEPTED = "none, fp16, bf16, powersgd:rank=R[,start=N] (R >= 1, N >= 0), topk:ratio=K (0 < K <= 1) or auto"
-PARAMETERS = {"none": {}, "fp16": {}, "bf16": {}, "powersgd": {"rank": int, "start": int}, "topk": {"ratio": float},
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd:rank=R[,start=N]", "topk:ratio=K[,start=N]", "auto")
+ACCEPTED = ("none, fp16, bf16, powersgd:rank=R[,start=N] (R >= 1, N >= 0), topk:ratio=K[,start=N] (0 < K <= 1) "
+            "or auto")
+PARAMETERS = {"none": {}, "fp16": {}, "bf16": {}, "powersgd": {"rank": int, "start": int}, "topk": {"ratio": float, "start": int},
               "auto": {}}
 REQUIRED = {"powersgd": ("rank",), "topk": ("ratio",)}
 DEFAULTS = {"powersgd": {"start": 2}}
