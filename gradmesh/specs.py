@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from gradmesh.errors import UsageError
 
-KINDS = {"kill": {"rank", "step", "at"}, "hang": {"rank", "step"}, "slow": {"rank", "factor", "delay"},
+KINDS = {"kill": {"rank", "step", "at"}, "hang": {"rank", "step"}, "slow": {"rank", "factor", "delay", "step", "steps"},
          "diverge": {"rank", "step"}}
-FORMS = ("kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, slow:rank=R,factor=F|delay=SECONDS, "
+FORMS = ("kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, slow:rank=R,factor=F|delay=SECONDS[,step=N,steps=M], "
          "diverge:rank=R,step=N or chaos:faults=N,seed=S[,kinds=kill+hang+slow][,pace=SECONDS]")
 
 
@@ -38,7 +38,8 @@ class Fault:
             window = f",steps={self.steps}" if self.kind == "slow" else ""
             return f"chaos#{self.chaos}:{self.kind}@step={self.step}{window}" + (",at=checkpoint" if self.at == "checkpoint" else "")
         if self.kind == "slow":
-            return f"slow:rank={self.rank},factor={self.factor:g}" + (f",delay={self.delay:g}" if self.delay else "")
+            window = f",step={self.step},steps={self.steps}" if self.steps else ""
+            return f"slow:rank={self.rank},factor={self.factor:g}" + (f",delay={self.delay:g}" if self.delay else "") + window
         at = ",at=checkpoint" if self.at == "checkpoint" else ""
         return f"{self.kind}:rank={self.rank},step={self.step}{at}"
 
@@ -54,10 +55,12 @@ def _parse_one(text: str) -> Fault:
         raise UsageError(f"--inject {text!r}: expected {FORMS}")
     try:
         fault = Fault(kind, int(fields["rank"]), step=int(fields.get("step", 0)), at=fields.get("at", "step"),
-                      factor=float(fields.get("factor", 1.0)), delay=float(fields.get("delay", 0.0)))
+                      factor=float(fields.get("factor", 1.0)), delay=float(fields.get("delay", 0.0)),
+                      steps=int(fields.get("steps", 0)))
     except ValueError:
         raise UsageError(f"--inject {text!r}: rank and step must be whole numbers, factor a number; expected {FORMS}") from None
-    if (kind != "slow" and fault.step < 1 or fault.rank < 0 or fault.at not in ("step", "checkpoint")
+    if (kind != "slow" and fault.step < 1 or fault.rank < 0 or fault.step < 0 or fault.steps < 0
+            or fault.at not in ("step", "checkpoint")
             or not math.isfinite(fault.factor) or not math.isfinite(fault.delay) or fault.factor < 1 or fault.delay < 0):
         raise UsageError(f"--inject {text!r}: needs rank >= 0, step >= 1, a finite factor >= 1 and delay >= 0, "
                          "at=step|checkpoint")

@@ -13,7 +13,7 @@ FLAG_KEYS = {
     "model": "model.name", "data": "data.path", "strategy": "train.strategy", "mesh": "train.mesh",
     "ps_servers": "ps.servers", "ps_mode": "ps.mode",
     "pp_schedule": "train.pp_schedule", "microbatches": "train.microbatches", "pp_split": "train.pp_split",
-    "global_batch_size": "train.global_batch_size", "grad_accum": "train.grad_accum", "bucket_mb": "train.bucket_mb", "compression": "train.compression",
+    "global_batch_size": "train.global_batch_size", "grad_accum": "train.grad_accum", "bucket_mb": "train.bucket_mb", "balance": "train.balance", "compression": "train.compression",
     "optimizer": "train.optimizer", "lr": "train.lr", "max_steps": "train.max_steps",
     "seed": "train.seed", "eval_every": "train.eval_every", "record_samples": "train.record_samples",
     "checkpoint_every": "checkpoint.every", "resume": "checkpoint.resume",

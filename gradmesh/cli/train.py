@@ -13,6 +13,7 @@ from gradmesh import rundir
 from gradmesh.runlock import RunLock
 from gradmesh.cli.memory import check_memory
 from gradmesh.cli.options import add_launch_options, bucket_type, integer, launch_shape, number, resolve_config
+from gradmesh.config.balance import parse_balance
 from gradmesh.config.compression import parse_compression
 from gradmesh.config.ps import check_ps_options_need_ps
 from gradmesh.errors import NothingToDo, UsageError
@@ -61,6 +62,9 @@ def _add_how_options(train: argparse.ArgumentParser) -> None:
     how.add_argument("--global-batch-size", type=integer, metavar="B", help="samples per optimizer step over all ranks (default 32)")
     how.add_argument("--grad-accum", type=integer, metavar="K", help="micro-batches per rank per step (default 1)")
     how.add_argument("--optimizer", choices=configuration.OPTIMIZERS, help="default adamw")
+    how.add_argument("--balance", metavar="HOW",
+                     help="split each global batch by rank speed: off (equal, default), auto (measured, re-split every "
+                          "few steps) or static:S1,S2,... (fixed shares); the model trained is the same")
     how.add_argument("--bucket-mb", type=bucket_type, metavar="MB",
                      help="DDP's gradient bucket size in MiB, or 'auto': a few sizes timed over the first steps (default 25)")
     how.add_argument("--compression", metavar="METHOD",
@@ -172,12 +176,23 @@ def _check_parallelism(cfg: configuration.Config, nproc: int, world: int, meta_m
     cfg.check_world(math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
     plan = registry.resolve(cfg.train.strategy, mesh)
     plan.check(cfg, meta_model)
+    _check_balance(cfg, plan, math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
     method = parse_compression(cfg.train.compression)[0]
     if method != "none" and method not in plan.compressions:
         accepted = ", ".join(["none", *plan.compressions])
         raise UsageError(f"--compression {cfg.train.compression} does not apply to {plan.label}; "
                          f"accepted with it: {accepted}")
     return plan
+
+
+def _check_balance(cfg: configuration.Config, plan: registry.Plan, data_ranks: int) -> None:
+    how, shares = parse_balance(cfg.train.balance)
+    if how != "off" and plan.engine != "collective":
+        raise UsageError(f"--balance {cfg.train.balance} applies to strategies whose ranks step together (ddp, zero1, "
+                         f"fsdp, tp meshes), not to {plan.label} (its own shares); leave it out")
+    if how == "static" and len(shares) != data_ranks:
+        raise UsageError(f"--balance {cfg.train.balance} gives {len(shares)} shares for {data_ranks} data-parallel "
+                         f"rank(s); give one share per rank, e.g. static:{','.join(['1'] * data_ranks)}")
 
 
 def _check_recovery(cfg: configuration.Config, plan: registry.Plan) -> None:

@@ -12,6 +12,7 @@ from gradmesh.config import checks as _checks
 from gradmesh.config.checks import finite as _finite
 from gradmesh.config.checks import one_of as _one_of
 from gradmesh.config.checks import positive as _positive
+from gradmesh.config.balance import parse_balance
 from gradmesh.config.compression import parse_compression
 from gradmesh.config.ps import PSConfig
 from gradmesh.config.workload import DataConfig, ModelConfig
@@ -44,6 +45,9 @@ class TrainConfig:
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB for DDP's all-reduce (DDP's own default: 25); 0 (--bucket-mb auto): a few
     sizes timed over the first steps, the fastest kept."""
+    balance: str = "off"
+    """How each global batch is split among data-parallel ranks: off (equal shares), auto (by measured
+    speed, re-split every few steps) or static:S1,S2,... (fixed proportions); every split trains the same model."""
     compression: str = "none"
     """How data-parallel gradients travel: none (fp32), fp16 or bf16 (half the bytes), powersgd:rank=R[,start=N]
     (low-rank, with error feedback, after N plain steps) or topk:ratio=K (the largest K of each gradient, with error feedback)."""
@@ -84,6 +88,7 @@ class TrainConfig:
         _finite(self)
         _one_of("train", "optimizer", self.optimizer, OPTIMIZERS)
         parse_compression(self.compression)
+        parse_balance(self.balance)
         _one_of("train", "pp_schedule", self.pp_schedule, PP_SCHEDULES)
         for name in ("global_batch_size", "grad_accum", "microbatches", "max_steps", "decay_steps", "eval_batches", "log_every"):
             _positive("train", name, getattr(self, name))

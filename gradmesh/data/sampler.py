@@ -27,6 +27,21 @@ def split_evenly(items: list[int], parts: int) -> list[list[int]]:
     return out
 
 
+def split_by(items: list[int], proportions: tuple[float, ...]) -> list[list[int]]:
+    """Contiguous parts sized in `proportions` (largest remainders get the rounding), in order."""
+    total = sum(proportions)
+    exact = [len(items) * p / total for p in proportions]
+    sizes = [int(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: (sizes[i] - exact[i], i))
+    for i in by_remainder[:len(items) - sum(sizes)]:
+        sizes[i] += 1
+    out, start = [], 0
+    for size in sizes:
+        out.append(items[start:start + size])
+        start += size
+    return out
+
+
 @dataclass
 class GlobalBatch:
     """One optimizer step's data as seen by one rank."""
@@ -38,6 +53,8 @@ class GlobalBatch:
     micro_batches: list[list[int]] = field(default_factory=list)
     """This rank's share, cut into grad_accum micro-batches (some may be empty at an epoch's end);
     empty in a batch drawn with `next_global`, whose share each engine takes with `share`."""
+    proportions: tuple[float, ...] | None = None
+    """Each data-parallel rank's part of the batch (--balance); None: equal shares."""
 
     @property
     def size(self) -> int:
@@ -45,6 +62,8 @@ class GlobalBatch:
 
     def share(self, rank: int, ranks: int, micro_batches: int) -> list[list[int]]:
         """Rank `rank` of `ranks`: its contiguous share, cut into micro-batches."""
+        if self.proportions is not None and len(self.proportions) == ranks:
+            return split_evenly(split_by(self.indices, self.proportions)[rank], micro_batches)
         return split_evenly(split_evenly(self.indices, ranks)[rank], micro_batches)
 
 
@@ -61,6 +80,8 @@ class GlobalOrderSampler:
         self.batch_in_epoch = 0
         self.step = 0
         self._order: list[int] | None = None
+        self.proportions: tuple[float, ...] | None = None
+        """The shares the next batches are split in (set by --balance); None: equal."""
 
     @property
     def batches_per_epoch(self) -> int:
@@ -82,7 +103,8 @@ class GlobalOrderSampler:
         if self._order is None:
             self._order = self.epoch_order(self.epoch)
         start = self.batch_in_epoch * self.global_batch_size
-        batch = GlobalBatch(step=self.step, epoch=self.epoch, indices=self._order[start : start + self.global_batch_size])
+        batch = GlobalBatch(step=self.step, epoch=self.epoch, indices=self._order[start : start + self.global_batch_size],
+                            proportions=self.proportions)
         self.step += 1
         self.batch_in_epoch += 1
         if self.batch_in_epoch == self.batches_per_epoch:
@@ -99,6 +121,7 @@ class GlobalOrderSampler:
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "step": self.step,
+            "proportions": list(self.proportions) if self.proportions else None,
         }
 
     def state_before(self, batch: GlobalBatch) -> dict:
@@ -116,3 +139,5 @@ class GlobalOrderSampler:
         self.batch_in_epoch = state["batch_in_epoch"]
         self.step = state["step"]
         self._order = None
+        saved = state.get("proportions")  # checkpoints from before --balance have none
+        self.proportions = tuple(saved) if saved else None

@@ -28,9 +28,6 @@ class Injector:
         self.faults = [f for f in faults if (f.chaos >= 0 or f.rank == identity) and f.label not in fired]
         self.rank, self.pace, self.spare_last = identity, pace, spare_last
         self.position = position or (lambda: (identity, identity + 1))
-        whole_run = [f for f in self.faults if f.kind == "slow" and f.chaos < 0]
-        self.slow_factor = max([f.factor for f in whole_run], default=1.0)
-        self.slow_delay = max([f.delay for f in whole_run], default=0.0)
         self.step = 0
 
     def _fired(self) -> set[str]:
@@ -109,9 +106,13 @@ class Injector:
 
     def slow_down(self, elapsed: float) -> float:
         """A straggler: `factor` times the step's own time (`elapsed`, measured without the
-        injected delay, so it does not grow step on step), plus `delay` seconds, plus a chaos
+        injected delay, so it does not grow step on step), plus `delay` seconds (while its window
+        of steps lasts, if it has one), plus a chaos
         slow-down and the chaos pace; returns the delay."""
-        seconds = (self.slow_factor - 1) * elapsed + self.slow_delay + self.pace + self._chaos_delay()
+        active = [f for f in self.faults if f.kind == "slow" and f.chaos < 0 and f.step <= self.step
+                  and (not f.steps or self.step < f.step + f.steps)]
+        factor, delay = max([f.factor for f in active], default=1.0), max([f.delay for f in active], default=0.0)
+        seconds = (factor - 1) * elapsed + delay + self.pace + self._chaos_delay()
         if seconds > 0:
             time.sleep(seconds)
         return seconds

@@ -58,6 +58,7 @@ def services(trainer, faults: FaultConfig) -> Services:
     checkpointing = Checkpointing(ctx, trainer.checkpointing, trainer.sampler, reporting, trainer.run_info,
                                   on_written=injector.at_checkpoint, in_place=session.membership is not None)
     found = Services(reporting, checkpointing, faults=FaultInjection(ctx, injector))
+    found.faults.work = lambda: reporting.work_s
     if faults.step_timeout and trainer.engine.lockstep:  # other engines time each share themselves
         from gradmesh.fault.watchdog import Watchdog
 
@@ -74,17 +75,28 @@ def services(trainer, faults: FaultConfig) -> Services:
     if trainer.monitor.clock is not None:
         checks.append(ReplicaCheck(ctx, reporting, trainer.monitor.config.check_every))
     recorder = [SampleRecorder(ctx)] if train.record_samples else []
-    if not train.bucket_mb and trainer.engine.lockstep:
-        from gradmesh.loop.buckets import BucketTuning
-
-        checks.insert(0, BucketTuning(ctx, reporting, train.max_steps))
-    if isinstance(trainer.auto_compression, AutoCompression):
-        from gradmesh.loop.compression import CompressionChoice
-
-        checks.insert(0, CompressionChoice(ctx, reporting, trainer.auto_compression, trainer.plan.engine != "ps"))
+    checks = _tuning(trainer, reporting) + checks
     found.all = [s for s in (found.watchdog, found.faults, reporting, found.recovery) if s] + recorder + checks
     if found.recovery:
         found.recovery.services = [s for s in found.all if s is not found.recovery]
+    return found
+
+
+def _tuning(trainer, reporting: Reporting) -> list[Service]:
+    """What adjusts the run as it goes, from measurements: compression, bucket size, shares."""
+    ctx, train, found = trainer.ctx, trainer.train, []
+    if isinstance(trainer.auto_compression, AutoCompression):
+        from gradmesh.loop.compression import CompressionChoice
+
+        found.append(CompressionChoice(ctx, reporting, trainer.auto_compression, trainer.plan.engine != "ps"))
+    if not train.bucket_mb and trainer.engine.lockstep:
+        from gradmesh.loop.buckets import BucketTuning
+
+        found.append(BucketTuning(ctx, reporting, train.max_steps))
+    if train.balance != "off":
+        from gradmesh.loop.balance import Balancing
+
+        found.append(Balancing(ctx, reporting, trainer.sampler, train.balance))
     return found
 
 

@@ -5,6 +5,7 @@ import torch
 
 from gradmesh.loop.services import RunContext, Service
 from gradmesh.monitor import consistency, trace
+from gradmesh.monitor.breakdown import FIGURES
 from gradmesh.monitor.monitor import Monitor
 from gradmesh.monitor.progress import TrainingProgress
 from gradmesh.monitor.reporter import RunTotals, StepRecord, StepReporter
@@ -17,6 +18,9 @@ class Reporting(Service):
         self.ctx, self.monitor, self.log_every, self.membership = ctx, monitor, log_every, membership
         self.progress = TrainingProgress(max_steps, enabled=ctx.is_main and not ctx.quiet)
         self.samples, self.train_time = 0, 0.0
+        self.work_s: float | None = None
+        """This rank's work in the last step that grows with its samples (data, forward and
+        backward; no waiting, no optimizer step), with monitoring on."""
         self.totals = RunTotals()  # one set across regroups
         self.reporter = self._reporter()
 
@@ -37,11 +41,14 @@ class Reporting(Service):
 
     def after_step(self, outcome, elapsed: float) -> None:
         step, batch = outcome.step, outcome.batch
-        figures = torch.cat([outcome.figures, torch.tensor(self.monitor.step_figures(step), dtype=torch.float64)])
+        mine = self.monitor.step_figures(step)
+        phases = dict(zip(FIGURES, mine))
+        self.work_s = phases["data"] + phases["forward"] + phases["backward"] if self.monitor.clock else None
+        figures = torch.cat([outcome.figures, torch.tensor(mine, dtype=torch.float64)])
         self.train_time += elapsed
         self.samples += batch.size
-        self.reporter.add(StepRecord(step, batch.epoch, batch.size, self.samples, outcome.lr, elapsed, figures,
-                                     row=outcome.row))
+        row = outcome.row if batch.proportions is None else {**outcome.row, "shares": [round(p, 4) for p in batch.proportions]}
+        self.reporter.add(StepRecord(step, batch.epoch, batch.size, self.samples, outcome.lr, elapsed, figures, row=row))
 
     def _show(self, row: dict) -> None:
         self.progress.update(row["step"], row["loss"], row["samples_per_s"])

@@ -96,7 +96,10 @@ class FaultInjection(Service):
 
     def __init__(self, ctx: RunContext, injector):
         self.ctx, self.injector = ctx, injector
-        self.slept = self.own_time = 0.0
+        self.slept = self.own_time = self.previous_sleep = 0.0
+        self.work = lambda: None
+        """This rank's own work in the last step (seconds, waits left out), where measured: a
+        straggler is slower at its own work, so its delay follows its share, not the step."""
 
     def before_step(self, step: int) -> None:
         # An engine whose ranks do not step together draws a segment's batches before working on
@@ -109,7 +112,9 @@ class FaultInjection(Service):
 
     def slow_down(self) -> None:
         """In the forward phase: an injected straggler shows as slow compute."""
-        self.slept += self.injector.slow_down(self.own_time)
+        work = self.work()
+        own = self.own_time if work is None else max(work - self.previous_sleep, 0.0)
+        self.slept += self.injector.slow_down(own)
 
     def straggle(self, seconds: float) -> None:
         """Before a piece of work like one that took `seconds`: a straggler's delay for it."""
@@ -117,7 +122,7 @@ class FaultInjection(Service):
 
     def after_step(self, outcome: StepOutcome, elapsed: float) -> None:
         self.injector.after_step(outcome.step, self.ctx.engine.model)
-        self.own_time = elapsed - self.slept
+        self.own_time, self.previous_sleep = elapsed - self.slept, self.slept
 
 
 class WatchdogService(Service):
