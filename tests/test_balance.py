@@ -3,7 +3,8 @@ samples away from a slow rank and back once it recovers."""
 
 from gradmesh.data.sampler import split_by
 from helpers import metrics, rel_l2, weights
-from runs import STEPS, ddp_run
+
+THIRTY = ("--max-steps", "30", "--global-batch-size", "16", "--optimizer", "sgd")
 
 
 def test_shares_split_a_batch_in_order_by_proportion():
@@ -13,24 +14,18 @@ def test_shares_split_a_batch_in_order_by_proportion():
     assert sum(split_by(list(range(5)), (0.9, 0.1)), []) == list(range(5))
 
 
-def test_fixed_uneven_shares_train_the_single_process_model(catalogue):
-    """static:3,1 on 2 ranks, SGD: rank 0 computes 12 of every 16 samples, rank 1 4; each sample
-    weighs 1/16 wherever it is computed, so the model is one process's."""
-    run = catalogue.run(2, *STEPS, "--optimizer", "sgd", "--balance", "static:3,1")
-    assert all(row["shares"] == [0.75, 0.25] for row in metrics(run))
-    assert rel_l2(weights(run), weights(ddp_run(catalogue, 1, "sgd"))) <= 1e-5
-
-
 def test_auto_moves_samples_off_a_slow_rank_and_back_and_stays_exact(catalogue):
-    """Rank 1 slowed 3x for steps 1-10, AdamW: the shares re-split after steps 5 and 10 move
-    towards rank 0, and once the slow-down has ended they move back; every rank switches at the
-    same step, so the model is still one process's."""
-    run = catalogue.run(2, *STEPS, "--optimizer", "adamw", "--balance", "auto",
-                        "--inject", "slow:rank=1,factor=3,step=1,steps=10")
+    """Rank 1 slowed 3x for steps 1-10 of 30, SGD (which shows a wrongly weighted sample, unlike
+    AdamW): the shares re-split after steps 5 and 10 move towards rank 0 (uneven, and changing
+    mid-run), and once the slow-down has ended they move back (a re-split under 2 points is
+    skipped, so the test looks at the three chances after it); every rank switches at the same
+    step, so the model is still one process's. (static:S1,... sets the same sampler field from
+    the start; the suite's time budget keeps one run here.)"""
+    run = catalogue.run(2, *THIRTY, "--balance", "auto", "--inject", "slow:rank=1,factor=3,step=1,steps=10")
     rows = metrics(run)
     first = [row.get("shares", [0.5, 0.5])[0] for row in rows]
     assert first[:5] == [0.5] * 5 and first[5] > 0.5 and first[10] > first[5]  # towards the fast rank
-    assert first[15] < first[10]  # back, once rank 1 is as fast again
-    assert rel_l2(weights(run), weights(ddp_run(catalogue, 1, "adamw"))) <= 1e-5
+    assert min(first[15:]) < first[10]  # back, once rank 1 is as fast again
+    assert rel_l2(weights(run), weights(catalogue.run(1, *THIRTY))) <= 1e-5
     alerts = (run / "alerts.jsonl").read_text()
     assert '"kind": "balance"' in alerts and "data-parallel rank 1 the slowest" in alerts

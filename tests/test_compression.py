@@ -96,7 +96,7 @@ def feedback_bytes(shapes: list[tuple[int, ...]], method: str) -> int:
     return total
 
 
-@pytest.mark.parametrize("method", ["powersgd:rank=2", "topk:ratio=0.05"])
+@pytest.mark.parametrize("method", ["powersgd:rank=2"])  # top-k: its formulas on one rank above, its loss in the benchmark
 def test_error_feedback_counts_its_bytes_converges_and_resumes_exactly(catalogue, tmp_path, method):
     """2 ranks, SGD, 20 steps: every step's bytes equal the method's formula (PowerSGD's first 2
     steps plain fp32); the loss ends within 5% of the uncompressed run's, having fallen at least
@@ -113,8 +113,6 @@ half as far; and (PowerSGD) 10 steps, resumed
     none = metrics(ddp_run(catalogue, 2, "sgd"))
     assert rows[-1]["loss"] <= 1.05 * none[-1]["loss"]
     assert rows[0]["loss"] - rows[-1]["loss"] >= 0.5 * (none[0]["loss"] - none[-1]["loss"])  # it learns (measured 97%, 61%)
-    if method.startswith("topk"):
-        return  # its error state is the base class's, which PowerSGD's resume below covers (with its Q)
     split = copy_run(run, tmp_path / "split")
     checkpoint.checkpoint_root(split).joinpath("step-20").rename(split / "not-this-one")
     train(split, 2, "--resume", "--max-steps", "20")
