@@ -1,6 +1,8 @@
 """Load balancing (issue 17): uneven shares train the single-process model, and `auto` moves
 samples away from a slow rank and back once it recovers."""
 
+import pytest
+
 from gradmesh.data.sampler import split_by
 from helpers import metrics, rel_l2, weights
 
@@ -14,6 +16,7 @@ def test_shares_split_a_batch_in_order_by_proportion():
     assert sum(split_by(list(range(5)), (0.9, 0.1)), []) == list(range(5))
 
 
+@pytest.mark.slow  # two runs; the split itself stays in the fast tier
 def test_auto_moves_samples_off_a_slow_rank_and_back_and_stays_exact(catalogue):
     """Rank 1 slowed 3x for steps 1-10 of 30, SGD (which shows a wrongly weighted sample, unlike
     AdamW): the shares re-split after steps 5 and 10 move towards rank 0 (uneven, and changing

@@ -58,7 +58,7 @@ def services(trainer, faults: FaultConfig) -> Services:
     checkpointing = Checkpointing(ctx, trainer.checkpointing, trainer.sampler, reporting, trainer.run_info,
                                   on_written=injector.at_checkpoint, in_place=session.membership is not None)
     found = Services(reporting, checkpointing, faults=FaultInjection(ctx, injector))
-    found.faults.work = lambda: reporting.work_s
+    found.faults.work = lambda: reporting.busy_s
     if faults.step_timeout and trainer.engine.lockstep:  # other engines time each share themselves
         from gradmesh.fault.watchdog import Watchdog
 

@@ -18,6 +18,8 @@ class Reporting(Service):
         self.ctx, self.monitor, self.log_every, self.membership = ctx, monitor, log_every, membership
         self.progress = TrainingProgress(max_steps, enabled=ctx.is_main and not ctx.quiet)
         self.samples, self.train_time = 0, 0.0
+        self.busy_s: float | None = None
+        """This rank's step time less its waiting (the straggler detector's busy time)."""
         self.work_s: float | None = None
         """This rank's work in the last step that grows with its samples (data, forward and
         backward; no waiting, no optimizer step), with monitoring on."""
@@ -44,6 +46,7 @@ class Reporting(Service):
         mine = self.monitor.step_figures(step)
         phases = dict(zip(FIGURES, mine))
         self.work_s = phases["data"] + phases["forward"] + phases["backward"] if self.monitor.clock else None
+        self.busy_s = phases["step_s"] - phases["comm"] - phases["idle"] if self.monitor.clock else None
         figures = torch.cat([outcome.figures, torch.tensor(mine, dtype=torch.float64)])
         self.train_time += elapsed
         self.samples += batch.size

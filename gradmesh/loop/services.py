@@ -98,8 +98,9 @@ class FaultInjection(Service):
         self.ctx, self.injector = ctx, injector
         self.slept = self.own_time = self.previous_sleep = 0.0
         self.work = lambda: None
-        """This rank's own work in the last step (seconds, waits left out), where measured: a
-        straggler is slower at its own work, so its delay follows its share, not the step."""
+        """This rank's busy time in the last step (its step less the time it waited), where
+        measured: a straggler is slower at its own work, so its delay follows its own share
+        (--balance), not the whole step it waits in."""
 
     def before_step(self, step: int) -> None:
         # An engine whose ranks do not step together draws a segment's batches before working on
