@@ -120,23 +120,6 @@ half as far; and (PowerSGD) 10 steps, resumed
     assert rel_l2(weights(split), weights(run)) <= 1e-6
 
 
-@pytest.mark.slow  # one more run; the choice rule stays in the fast tier
-def test_auto_keeps_a_fast_link_uncompressed_and_retimed_buckets_change_nothing(catalogue):
-    """On loopback the probe finds the all-reduce a small share of compute: auto picks none, and
-    compression.json holds the figures; --bucket-mb auto re-wraps DDP for its trial (this model
-    fits one 1 MiB bucket: one candidate, timed over 2 steps) and records it. The run trains
-    exactly the model of the plain uncompressed run."""
-    import json
-
-    run = catalogue.run(2, *STEPS, "--optimizer", "sgd", "--compression", "auto", "--bucket-mb", "auto")
-    chosen = json.loads((run / "compression.json").read_text())
-    assert chosen["choice"] == "none" and chosen["step"] == 2 and chosen["bandwidth_Bps"] > 0
-    assert chosen["estimated_comm_s"] <= 0.1 * chosen["compute_s"]
-    buckets = json.loads((run / "buckets.json").read_text())
-    assert buckets["chosen_mb"] == 1.0 and [len(t) for t in buckets["step_s"].values()] == [2]
-    assert rel_l2(weights(run), weights(ddp_run(catalogue, 2, "sgd"))) == 0
-
-
 def test_bucket_tuning_times_each_size_after_its_rebuild_step_and_keeps_the_fastest(solo_group):
     """A 30 MiB model: candidates 1, 5, 25 and 100 MiB, each for 3 steps after step 1, the
     first of each (DDP rebuilding its buckets) not timed; 5 MiB was fastest and stays."""

@@ -46,24 +46,8 @@ def node_command(tmp_path, backend: str, endpoint: str, node: int) -> list[str]:
     return cmd + (["--node-rank", str(node)] if backend == "static" else [])
 
 
-@pytest.mark.slow  # two launchers and a rendezvous per case; 2-rank parity on one node stays in the fast tier
-@pytest.mark.skipif(bool(NO_HOSTS), reason=f"no namespace hosts here ({NO_HOSTS})")
-@pytest.mark.parametrize("backend", ["static"])  # c10d: the lost-host test below trains to parity through it
-def test_two_hosts_train_like_one_process(catalogue, tmp_path, backend):
-    """The endpoint is host 0's interface address, which its host name does not resolve to:
-    gloo listens on 127.0.0.1 (and c10d finds no store host) unless gradmesh picks both itself."""
-    one = ddp_run(catalogue, 1, "sgd")  # the parity reference; its replica checks and records change nothing trained
-    with Hosts(2) as hosts:
-        endpoint = f"{hosts.addresses[0]}:29400"
-        nodes = [hosts.start(node, node_command(tmp_path, backend, endpoint, node),
-                             env=dict(os.environ, PYTHONUNBUFFERED="1")) for node in range(2)]
-        errors = finish(nodes, timeout=180)
-    assert [proc.returncode for proc in nodes] == [0, 0], errors
-    assert rel_l2(weights(tmp_path / "two"), weights(one)) <= 1e-5
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not NO_HOSTS, reason="namespace hosts are made here: test_two_hosts_train_like_one_process covers it")
+@pytest.mark.skipif(not NO_HOSTS, reason="namespace hosts are made here: the lost-host test trains across them")
 @pytest.mark.parametrize("backend", ["c10d", "static"])
 def test_two_nodes_on_loopback_train_like_one_process(catalogue, tmp_path, backend):
     one = ddp_run(catalogue, 1, "sgd")
