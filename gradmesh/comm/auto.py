@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from gradmesh.comm.feedback import PowerSGD
 from gradmesh.comm.reducer import MeanAllReduce, Reducer
 
 PROBE_BYTES = 4 * 2**20
@@ -75,7 +76,8 @@ def decide(shapes: list[torch.Size], ranks: int, bandwidth: float, step_s: float
     params = sum(math.prod(shape) for shape in shapes)
     comm_s = 2 * (ranks - 1) / ranks * 4 * params / bandwidth if ranks > 1 else 0.0
     compute_s = max(step_s - comm_s, 1e-6)
-    shrinks = sum(math.prod(s) for s in shapes if len(s) >= 2 and 4 * (s[0] + math.prod(s[1:])) < math.prod(s))
+    chosen = PowerSGD(rank=4, start=0)
+    shrinks = sum(math.prod(s) for s in shapes if chosen.compresses(s))
     if comm_s <= SHARE * compute_s:
         choice, why = "none", f"the all-reduce would take {comm_s / compute_s:.1%} of compute (<= {SHARE:.0%})"
     elif feedback_ok and shrinks * 2 >= params:
