@@ -61,6 +61,23 @@ def test_the_straggler_is_named_with_its_phase(straggler_run):
     assert statistics.median(row["imbalance"] for row in metrics(run_dir)[5:]) > 0.25
 
 
+def test_the_phase_is_named_from_the_whole_streak_not_its_last_step():
+    from gradmesh.monitor.stragglers import StragglerDetector
+
+    def step(forward1: float, comm_busy1: float) -> dict[str, list[float]]:
+        zero = [0.0, 0.0]
+        return {"step_s": [2.0, 2.0], "comm": [1.0, 0.0], "idle": zero, "data": zero, "backward": zero,
+                "optimizer": zero, "forward": [1.0, forward1], "comm_busy_s": [1.0, comm_busy1]}
+
+    detector = StragglerDetector(margin=0.5, steps=3)
+    # Rank 1 computes 1 s longer for two steps; in the third its collectives run 1.5 s longer
+    # (its peer was busy elsewhere) and its compute only 0.9 s: that step alone says communication.
+    for s, (forward1, comm_busy1) in enumerate([(2.0, 1.0), (2.0, 1.0), (1.9, 2.5)]):
+        flagged, alerts = detector.observe(s, step(forward1, comm_busy1))
+    assert [(a["rank"], a["phase"]) for a in alerts] == [(1, "compute")]
+    assert [f["rank"] for f in flagged] == [1]
+
+
 def test_balanced_ranks_raise_no_alert_and_score_low(catalogue):
     run = ddp_run(catalogue, 2, "adamw")  # 20 steps, replicas compared every 5 (the parity run)
     assert (run / "alerts.jsonl").read_text() == ""
