@@ -28,7 +28,10 @@ class DLRM(nn.Module):
         `materialize_tables`; whoever holds rows of them gets their initial values from `init_rows`."""
         super().__init__()
         self.table_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
-        self.tables = nn.ModuleList(nn.Embedding(count, dim, device="meta") for count in rows)
+        # Given its weight, nn.Embedding skips its initialiser: the first one run on the meta
+        # device imports torch._dynamo (0.8 s per process), and these values come from init_rows.
+        self.tables = nn.ModuleList(nn.Embedding(count, dim, _weight=torch.empty(count, dim, device="meta"))
+                                    for count in rows)
         if materialize:
             self.materialize_tables()
         self.bottom = _mlp([dense, hidden, dim], last_activation=True)
