@@ -59,6 +59,19 @@ def memory_bytes(device_type: str) -> int | None:
         return None
 
 
+def available_bytes(device: torch.device, local_ranks: int) -> int | None:
+    """Memory this rank can still take for activations: its GPU's free memory, or this machine's
+    available memory (MemAvailable) split among its local ranks; None where the system does not say."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024 // max(local_ranks, 1)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def threads_per_worker(local_world_size: int) -> int:
     """Share the cores so N local workers do not oversubscribe them; OMP_NUM_THREADS overrides."""
     return env.omp_threads() or max(1, (os.cpu_count() or 1) // local_world_size)

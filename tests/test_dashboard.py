@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY, free_port, gradmesh, listening_sockets, metrics
-from runs import digits_run
+from runs import BALANCED, digits_run
 STEPS, WORLD = 30, 2
 STRAGGLER_FROM = 5
 STRAGGLER_MESSAGE = "rank 1 is a straggler (compute): 60% slower than the other ranks since step 5"
@@ -283,6 +283,7 @@ def test_dashboard_draws_a_finished_run_in_a_browser(server, straggler_run, chro
         assert int(chart["data-points"]) > 0 and int(chart["data-traces"]) > 0, name
     assert int(charts["loss"]["data-points"]) == STEPS
     assert charts["breakdown"]["data-traces"] == str(len(PHASES))
+    assert page.by_id["shares"]["data-points"] == "0"  # no --balance: equal shares, nothing to draw
     assert page.by_id["status"]["text"].strip() == "finished"
     assert any(straggler_alert(straggler_run) in text for text in page.alerts), page.alerts
     assert straggler_run["dir"].name in page.by_id["run-name"]["text"]
@@ -298,3 +299,14 @@ def test_dashboard_draws_a_parameter_server_run_its_roles_and_staleness(catalogu
     assert page.body.get("data-rows") == str(steps), result.stdout[-2000:] + result.stderr[-2000:]
     assert page.by_id["staleness"]["data-points"] == str(2 * steps)  # max and mean of every step
     assert page.by_id["breakdown"]["data-traces"] == "9"  # 5 worker phases and 4 server phases
+
+
+@pytest.mark.browser
+@pytest.mark.slow  # serves test_balance's run (slow-marked there)
+def test_dashboard_plots_the_batch_shares_of_a_balanced_run(catalogue, chromium, tmp_path):
+    run = catalogue.run(2, *BALANCED)
+    with serving(run, tmp_path / "monitor.log") as url:
+        page, result = dump(chromium, url, tmp_path)
+    split = [row for row in metrics(run) if "shares" in row]
+    assert split, result.stderr[-2000:]
+    assert page.by_id["shares"]["data-traces"] == "2" and page.by_id["shares"]["data-points"] == str(2 * len(split))

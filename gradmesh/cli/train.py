@@ -22,7 +22,7 @@ from gradmesh.mesh import DATA_AXES
 from gradmesh.monitor.monitor import parse_trace_steps
 from gradmesh.parallel import registry
 from gradmesh.chaos import check_chaos, parse_inject
-from gradmesh.specs import check_ranks
+from gradmesh.specs import check_memory_faults, check_ranks
 
 RESTART_CHECKPOINT_EVERY = 10
 INPLACE_COLLECTIVE_TIMEOUT = 10.0
@@ -137,6 +137,7 @@ def check_train(cfg: configuration.Config, nproc: int, device: str = "cpu") -> P
     plan = _check_parallelism(cfg, nproc, world, meta_model)
     faults, chaos = parse_inject(cfg.fault.inject)
     check_ranks(faults, world)
+    check_memory_faults(faults, cfg.train.balance)
     check_chaos(chaos, cfg.train.max_steps, cfg.fault.recovery, cfg.fault.step_timeout)
     _check_recovery(cfg, plan)
     _check_trace(cfg)

@@ -20,6 +20,7 @@ import dataclasses
 import math
 import resource
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,10 @@ def _nothing(*args) -> None:
     return None
 
 
+def _unmeasured(samples: int):
+    return nullcontext()
+
+
 @dataclass
 class StepProbe:
     """What a step reports to while it runs: the phase clock, the watchdog's heartbeat
@@ -55,6 +60,9 @@ class StepProbe:
     reached: Callable[[int], None] = _nothing
     """Called as work on a step starts (an injected kill or hang at that step fires here):
     engines whose ranks do not step together, inside a segment rather than before it."""
+    around_forward: Callable[[int], object] = _unmeasured
+    """The context a micro-batch's forward pass of N samples runs in (0 after the first
+    micro-batch): --balance's memory guard measures the activations saved for backward there."""
 
 
 @dataclass

@@ -30,7 +30,7 @@ class CollectiveEngine(Engine):
             with clock.phase("data"):
                 data = to_device(fetch(self.job.dataset, indices), self.topology.device)
             with self.sync(last_micro_batch=i == len(runs) - 1):
-                with clock.phase("forward"):
+                with clock.phase("forward"), probe.around_forward(len(indices) if i == 0 else 0):
                     if i == 0:
                         probe.in_forward()
                     losses = self.job.loss_fn(self.model, data)

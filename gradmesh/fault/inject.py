@@ -1,4 +1,5 @@
-"""Fault injection for testing recovery and monitoring: `--inject kill:rank=1,step=7` (and hang, slow, diverge).
+"""Fault injection for testing recovery and monitoring: `--inject kill:rank=1,step=7` (and hang, slow, diverge,
+memory).
 
 Off unless asked for. Each kill or hang fires once per run, whatever the restarts: before it
 fires, the worker appends it to RUN_DIR/faults.jsonl, and a restarted worker skips what that
@@ -116,6 +117,11 @@ class Injector:
         if seconds > 0:
             time.sleep(seconds)
         return seconds
+
+    def free_memory(self) -> int | None:
+        """memory: the bytes this rank is told it has free (a rank with less memory than the others)."""
+        limits = [f.free_mb for f in self.faults if f.kind == "memory"]
+        return int(min(limits) * 2**20) if limits else None
 
     def _chaos_delay(self) -> float:
         """A chaos slow-down's delay while it lasts on the rank it aims at (logged when it starts)."""

@@ -13,14 +13,17 @@ fixed cost per step as well, still equal times, which is what the step waits for
 the current shares, and taken only when some share moves by more than `HYSTERESIS`. Every rank computes
 the same split from the same gathered figures, so all switch at the same step. The shares go to
 metrics.jsonl (`shares`), the sampler's checkpoint state and, when they change, the console and
-alerts.jsonl.
+alerts.jsonl. Under auto and static alike, no share exceeds what its rank's memory holds
+(`gradmesh.loop.memory_guard`); a cap that binds is reported the same way.
 """
 
 import torch
 import torch.distributed as dist
 
 from gradmesh.config.balance import parse_balance
+from gradmesh.loop.memory_guard import ActivationMeter, capped, sample_caps
 from gradmesh.loop.services import RunContext, Service
+from gradmesh.topology import available_bytes
 
 EVERY = 5
 SMOOTH = 0.5
@@ -31,57 +34,88 @@ HYSTERESIS = 0.02
 class Balancing(Service):
     lockstep = True
 
-    def __init__(self, ctx: RunContext, reporting, sampler, balance: str):
+    def __init__(self, ctx: RunContext, reporting, sampler, balance: str, grad_accum: int = 1,
+                 free_memory=lambda: None):
+        """free_memory: bytes this rank is told it has free (an injected fault), or None."""
         self.ctx, self.reporting, self.sampler = ctx, reporting, sampler
         self.how, self.static = parse_balance(balance)
+        self.grad_accum, self.free_memory = grad_accum, free_memory
         self.busy = self.samples = 0.0
+        self.meter = ActivationMeter(ctx.engine.model)
+        self.bound: set[int] = set()
 
     def start(self, first_step: int) -> None:
         if self.how == "static":
             self.sampler.proportions = self.static
 
     def regrouped(self) -> None:
-        self.sampler.proportions = None  # another number of ranks: equal until measured again
+        self.sampler.proportions = self.static if self.how == "static" and len(self.static) == self.ctx.topology.dp_size \
+            else None  # another number of ranks: equal until measured again
         self.busy = self.samples = 0.0
+        self.meter.due, self.bound = True, set()
+
+    def around_forward(self, samples: int):
+        return self.meter.around_forward(samples)
 
     def after_step(self, outcome, elapsed: float) -> None:
-        if self.how != "auto":
-            return
         self.busy += self.reporting.work_s if self.reporting.work_s is not None else elapsed
         self.samples += 1
         if outcome.step % EVERY:
             return
-        times = self._times()
-        self.busy = self.samples = 0.0
+        times, per_sample, free = self._gather()
+        self.busy, self.samples, self.meter.due = 0.0, 0.0, True
         current = self.sampler.proportions or tuple(1 / len(times) for _ in times)
-        if len(times) < 2 or min(times) <= 0 or len(current) != len(times):
+        if len(times) < 2 or len(current) != len(times):
             return
-        mean = sum(times) / len(times)
-        target = [c * mean / t for c, t in zip(current, times)]
-        new = tuple(SMOOTH * c + (1 - SMOOTH) * x / sum(target) for c, x in zip(current, target))
-        if max(abs(n - c) for n, c in zip(new, current)) <= HYSTERESIS:
+        wanted = self._target(current, times) if self.how == "auto" else self.static
+        caps = sample_caps(per_sample, free, self.grad_accum)
+        new, bound = capped(wanted, caps, self.sampler.global_batch_size)
+        moved = max(abs(n - c) for n, c in zip(new, current)) > (HYSTERESIS if self.how == "auto" else 1e-9)
+        if not moved and bound == self.bound:
             return
-        self.sampler.proportions = new
+        self.sampler.proportions, newly = new, bound - self.bound
+        self.bound = bound
         if self.ctx.is_main:
             self._tell(outcome.step, new, times)
+            for rank in sorted(newly):
+                self._tell_cap(outcome.step, rank, caps[rank], per_sample[rank], free[rank])
 
-    def _times(self) -> list[float]:
-        """Collective: each data-parallel rank's work per step over the window (its slowest
-        member's, when model-parallel partners share a data-parallel index)."""
+    def _target(self, current: tuple[float, ...], times: list[float]) -> tuple[float, ...]:
+        """auto: each share scaled towards equal work times, smoothed with the current ones."""
+        if min(times) <= 0:
+            return current
+        mean = sum(times) / len(times)
+        target = [c * mean / t for c, t in zip(current, times)]
+        return tuple(SMOOTH * c + (1 - SMOOTH) * x / sum(target) for c, x in zip(current, target))
+
+    def _gather(self) -> tuple[list[float], list[float], list[float]]:
+        """Collective: per data-parallel rank, its work per step over the window, its activation
+        bytes per sample and its free bytes (the slowest, largest and least of model-parallel
+        partners sharing a data-parallel index)."""
         topology = self.ctx.topology
-        mine = torch.tensor([float(topology.dp_rank), self.busy / max(self.samples, 1)], dtype=torch.float64)
+        free = self.free_memory() or available_bytes(topology.device, topology.local_world_size) or 0
+        mine = torch.tensor([float(topology.dp_rank), self.busy / max(self.samples, 1), self.meter.per_sample or 0.0,
+                             float(free)], dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(topology.world_size)]
         dist.all_gather(everyone, mine, group=topology.group("world"))
-        times = [0.0] * topology.dp_size
-        for dp_rank, seconds in (t.tolist() for t in everyone):
-            times[int(dp_rank)] = max(times[int(dp_rank)], seconds)
-        return times
-
+        times, per_sample, budget = [0.0] * topology.dp_size, [0.0] * topology.dp_size, [float("inf")] * topology.dp_size
+        for dp_rank, seconds, nbytes, room in (t.tolist() for t in everyone):
+            r = int(dp_rank)
+            times[r], per_sample[r], budget[r] = max(times[r], seconds), max(per_sample[r], nbytes), min(budget[r], room)
+        return times, per_sample, budget
     def _tell(self, step: int, shares: tuple[float, ...], times: list[float]) -> None:
         slowest = max(range(len(times)), key=lambda r: times[r])
-        text = (f"balance: from step {step + 1} the shares are {', '.join(f'{s:.0%}' for s in shares)} "
-                f"(data-parallel rank {slowest} the slowest: {times[slowest] * 1e3:.1f} ms of work per step against "
-                f"{min(times) * 1e3:.1f})")
-        self.reporting.note(text)
-        self.reporting.monitor.alert({"step": step, "kind": "balance", "rank": slowest, "shares": [round(s, 4) for s in shares],
+        why = (f"data-parallel rank {slowest} the slowest: {times[slowest] * 1e3:.1f} ms of work per step against "
+               f"{min(times) * 1e3:.1f}") if self.how == "auto" else "the static shares within the ranks' memory"
+        rank = slowest if self.how == "auto" else min(self.bound, default=0)
+        text = f"balance: from step {step + 1} the shares are {', '.join(f'{s:.0%}' for s in shares)} ({why})"
+        self.reporting.monitor.alert({"step": step, "kind": "balance", "rank": rank, "shares": [round(s, 4) for s in shares],
                                       "message": text})
+
+    def _tell_cap(self, step: int, rank: int, cap: int, per_sample: float, free: float) -> None:
+        batch = self.sampler.global_batch_size
+        text = (f"balance: data-parallel rank {rank}'s share is capped at {min(cap, batch)} of {batch} samples by its memory "
+                f"({per_sample / 2**10:.1f} KiB of activations per sample, {free / 2**20:.1f} MiB free, "
+                f"grad-accum {self.grad_accum})")
+        self.reporting.monitor.alert({"step": step, "kind": "memory", "rank": rank, "cap": cap, "per_sample_bytes": per_sample,
+                                      "free_bytes": free, "message": text})

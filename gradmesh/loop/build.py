@@ -75,14 +75,14 @@ def services(trainer, faults: FaultConfig) -> Services:
     if trainer.monitor.clock is not None:
         checks.append(ReplicaCheck(ctx, reporting, trainer.monitor.config.check_every))
     recorder = [SampleRecorder(ctx)] if train.record_samples else []
-    checks = _tuning(trainer, reporting) + checks
+    checks = _tuning(trainer, reporting, injector) + checks
     found.all = [s for s in (found.watchdog, found.faults, reporting, found.recovery) if s] + recorder + checks
     if found.recovery:
         found.recovery.services = [s for s in found.all if s is not found.recovery]
     return found
 
 
-def _tuning(trainer, reporting: Reporting) -> list[Service]:
+def _tuning(trainer, reporting: Reporting, injector: Injector) -> list[Service]:
     """What adjusts the run as it goes, from measurements: compression, bucket size, shares."""
     ctx, train, found = trainer.ctx, trainer.train, []
     if isinstance(trainer.auto_compression, AutoCompression):
@@ -96,12 +96,15 @@ def _tuning(trainer, reporting: Reporting) -> list[Service]:
     if train.balance != "off":
         from gradmesh.loop.balance import Balancing
 
-        found.append(Balancing(ctx, reporting, trainer.sampler, train.balance))
+        found.append(Balancing(ctx, reporting, trainer.sampler, train.balance, train.grad_accum, injector.free_memory))
     return found
 
 
 def probe(mon: Monitor, found: Services) -> StepProbe:
     beat = found.watchdog.beat if found.watchdog else StepProbe().beat
-    return StepProbe(mon.clock or NullClock(), beat, found.faults.slow_down, found.faults.straggle, found.faults.reached)
+    made = StepProbe(mon.clock or NullClock(), beat, found.faults.slow_down, found.faults.straggle, found.faults.reached)
+    for service in found.all:
+        made.around_forward = getattr(service, "around_forward", made.around_forward)  # --balance's memory guard
+    return made
 
 

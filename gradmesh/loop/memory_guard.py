@@ -1,0 +1,82 @@
+"""The memory guard of `--balance`: no rank gets a larger share than its memory holds.
+
+What grows with a rank's share is the activations autograd keeps for the backward pass. The
+guard measures them where they are made: during the first micro-batch's forward pass of each
+balancing window, a `saved_tensors_hooks` pair adds up the bytes of every tensor saved for
+backward, each storage once and the parameters' own storages left out (they do not grow with
+samples; under fsdp the gathered parameters are counted, an over-estimate on the safe side), and
+divides by the micro-batch's samples. That works alike on CPU, where no allocator reports a
+per-step peak, and on GPU. Only one micro-batch's activations are alive at a time, so a rank
+holds `grad_accum` times what fits at once. The memory free for them is the GPU's free memory or
+the machine's available memory split among its ranks (`--inject memory:rank=R,free_mb=M` tells a
+rank it has less), of which `HEADROOM` is used.
+"""
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.nn as nn
+
+HEADROOM = 0.9
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of a tensor's storage (a DTensor's local shard); None without one."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    try:
+        storage = local.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class ActivationMeter:
+    """Bytes saved for backward per sample, measured in one forward pass when `due`."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.per_sample: float | None = None
+        self.due = True
+
+    def around_forward(self, samples: int):
+        """The context for a micro-batch's forward pass of `samples` (0: not the first one)."""
+        return self._measure(samples) if self.due and samples else nullcontext()
+
+    @contextmanager
+    def _measure(self, samples: int):
+        own = {place[0] for place in map(_storage, self.model.parameters()) if place}
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            place = _storage(tensor)
+            if place and place[0] not in own:
+                saved[place[0]] = place[1]
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+        self.per_sample, self.due = sum(saved.values()) / samples, False
+
+
+def sample_caps(per_sample: list[float], free: list[float], grad_accum: int) -> list[int | None]:
+    """Samples each rank's memory holds (None: not measured or not known)."""
+    return [int(HEADROOM * f // p) * grad_accum if p > 0 and f > 0 else None for p, f in zip(per_sample, free)]
+
+
+def capped(shares: tuple[float, ...], caps: list[int | None], batch: int) -> tuple[tuple[float, ...], set[int]]:
+    """`shares` with no rank above its cap (as a fraction of `batch`), the excess handed to the
+    uncapped ranks in proportion to their shares; and the ranks whose cap binds. When the caps
+    together hold less than the batch, the shares follow the caps (every rank equally over)."""
+    limits = [1.0 if c is None else c / batch for c in caps]
+    if sum(limits) < 1:
+        return tuple(x / sum(limits) for x in limits), {r for r, c in enumerate(caps) if c is not None}
+    shares, bound = list(shares), set()
+    while over := [r for r, s in enumerate(shares) if r not in bound and s > limits[r] + 1e-12]:
+        bound.update(over)
+        for r in over:
+            shares[r] = limits[r]
+        free = [r for r in range(len(shares)) if r not in bound]
+        rest, weight = 1 - sum(shares[r] for r in bound), sum(shares[r] for r in free)
+        for r in free:
+            shares[r] = rest * shares[r] / weight if weight > 0 else rest / len(free)
+    return tuple(shares), bound
