@@ -78,11 +78,13 @@ def test_the_meter_counts_activations_per_sample_and_not_the_weights():
 
 
 @pytest.mark.slow
-def test_static_shares_capped_by_memory_train_the_single_process_model(catalogue, tmp_path):
-    """static:1,3 under zero1 with 2 micro-batches per share, and rank 1 told it has 0.75 MiB for
-    activations (~150 KiB a sample here): from the first re-split (step 5) its share is capped
-    at what fits, the rest goes to rank 0, and every update is still one process's (SGD)."""
-    train(tmp_path, 2, *STEPS, "--optimizer", "sgd", "--strategy", "zero1", "--grad-accum", "2",
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])  # ddp's path is the auto test's
+def test_static_shares_capped_by_memory_train_the_single_process_model(catalogue, tmp_path, strategy):
+    """static:1,3 with 2 micro-batches per share, and rank 1 told it has 0.75 MiB for activations
+    (~150 KiB a sample here, fsdp's gathered parameters not counted): from the first re-split
+    (step 5) its share is capped at what fits, the rest goes to rank 0, and every update is still
+    one process's (SGD)."""
+    train(tmp_path, 2, *STEPS, "--optimizer", "sgd", "--strategy", strategy, "--grad-accum", "2",
           "--balance", "static:1,3", "--inject", "memory:rank=1,free_mb=0.75")
     shares = [row["shares"] for row in metrics(tmp_path)]
     assert shares[:5] == [[0.25, 0.75]] * 5

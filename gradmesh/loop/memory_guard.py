@@ -3,9 +3,9 @@
 What grows with a rank's share is the activations autograd keeps for the backward pass. The
 guard measures them where they are made: during the first micro-batch's forward pass of each
 balancing window, a `saved_tensors_hooks` pair adds up the bytes of every tensor saved for
-backward, each storage once and the parameters' own storages left out (they do not grow with
-samples; under fsdp the gathered parameters are counted, an over-estimate on the safe side), and
-divides by the micro-batch's samples. That works alike on CPU, where no allocator reports a
+backward, each storage once and parameters left out (they do not grow with samples: the
+model's own storages and any leaf that requires grad or view of one, which catches fsdp's gathered
+parameters), and divides by the micro-batch's samples. That works alike on CPU, where no allocator reports a
 per-step peak, and on GPU. Only one micro-batch's activations are alive at a time, so a rank
 holds `grad_accum` times what fits at once. The memory free for them is the GPU's free memory or
 the machine's available memory split among its ranks (`--inject memory:rank=R,free_mb=M` tells a
@@ -30,6 +30,12 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
+def _parameter_like(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one (linear layers save their weight transposed)."""
+    base = tensor._base if tensor._base is not None else tensor
+    return base.is_leaf and base.requires_grad
+
+
 class ActivationMeter:
     """Bytes saved for backward per sample, measured in one forward pass when `due`."""
 
@@ -49,13 +55,15 @@ class ActivationMeter:
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             place = _storage(tensor)
-            if place and place[0] not in own:
+            if place:
                 saved[place[0]] = place[1]
+                if _parameter_like(tensor):  # fsdp's gathered parameters are not among model.parameters()
+                    own.add(place[0])
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield
-        self.per_sample, self.due = sum(saved.values()) / samples, False
+        self.per_sample, self.due = sum(b for place, b in saved.items() if place not in own) / samples, False
 
 
 def sample_caps(per_sample: list[float], free: list[float], grad_accum: int) -> list[int | None]:
