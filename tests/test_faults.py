@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from helpers import rel_l2, train, weights
+from helpers import metrics, rel_l2, train, weights
 from runs import ddp_run
 
 TOLERANCE = 1e-5
@@ -110,8 +110,13 @@ def test_inplace_recovery_survives_a_kill_at_a_seeded_random_step(fault_free, tm
 
 @pytest.mark.slow  # 4 ranks; the 2-rank in-place kills stay in the fast tier
 def test_inplace_recovery_survives_two_failures_at_four_ranks(fault_free, tmp_path):
-    train(tmp_path, 4, *ARGS, *INPLACE, "--inject", "kill:rank=1,step=5", "--inject", "kill:rank=2,step=12")
+    # Balanced by measurement too: each regroup starts the shares again from equal for the ranks
+    # left, and the training stays exact through both.
+    train(tmp_path, 4, *ARGS, *INPLACE, "--balance", "auto", "--inject", "kill:rank=1,step=5",
+          "--inject", "kill:rank=2,step=12")
     assert_same_training(tmp_path, fault_free)
+    ranks = {row["step"]: len(row["shares"]) for row in metrics(tmp_path) if "shares" in row}  # where re-split
+    assert all(n == (4 if step < 5 else 3 if step < 12 else 2) for step, n in ranks.items()), ranks
 
 
 @pytest.mark.slow  # a hang (detected, fast tier) then in-place recovery (fast tier)

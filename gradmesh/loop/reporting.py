@@ -50,7 +50,9 @@ class Reporting(Service):
         figures = torch.cat([outcome.figures, torch.tensor(mine, dtype=torch.float64)])
         self.train_time += elapsed
         self.samples += batch.size
-        row = outcome.row if batch.proportions is None else {**outcome.row, "shares": [round(p, 4) for p in batch.proportions]}
+        split = batch.proportions  # a batch redone after a regroup to fewer ranks was split equally
+        row = outcome.row if split is None or len(split) != self.ctx.topology.dp_size \
+            else {**outcome.row, "shares": [round(p, 4) for p in split]}
         self.reporter.add(StepRecord(step, batch.epoch, batch.size, self.samples, outcome.lr, elapsed, figures, row=row))
 
     def _show(self, row: dict) -> None:
