@@ -11,6 +11,12 @@ the bytes each rank hands to the all-reduce per step, and the theoretical commun
 the uncompressed all-reduce, 2(N-1)/N x S/B (N = 2 ranks, S = 4 bytes x parameters, B = the
 link). The limit: the same model with no compression on an unshaped link, where communication
 is nearly free; `auto` runs there too (it should choose none and cost nothing).
+
+Convergence (`--convergence-steps`, default 150; 0 skips it): the loss does not depend on the
+link, so the default model trains longer on the unshaped link under AdamW and under SGD with
+none, PowerSGD and top-k; the table gives each setting's loss (mean of 5 steps) against none's at
+steps 30, 60, 100 and the last (warm-up lasts 20 steps: 30 steps say little about convergence).
+Written to benchmarks/results/compression-convergence.json.
 """
 
 import argparse
@@ -77,6 +83,32 @@ def measure(args) -> list[dict]:
     return found
 
 
+CONVERGENCE = ["none", "powersgd:rank=4", "topk:ratio=0.1", "topk:ratio=0.01"]
+
+
+def convergence(steps: int) -> list[dict]:
+    marks = sorted({m for m in (30, 60, 100, steps) if m <= steps})
+    found = []
+    for optimizer in ("adamw", "sgd"):
+        for setting in CONVERGENCE:
+            rows = two_hosts("", steps, setting, ["--optimizer", optimizer])
+            found.append({"optimizer": optimizer, "setting": setting,
+                          "loss": {m: statistics.fmean(r["loss"] for r in rows[m - 5:m]) for m in marks}})
+    return found
+
+
+def show_convergence(found: list[dict]) -> None:
+    marks = list(found[0]["loss"])
+    table = Table(title="Convergence: loss against none's (default gpt-char, 2 hosts, unshaped link)")
+    for column in ("optimizer", "setting", *(f"step {m}" for m in marks)):
+        table.add_column(column, justify="right")
+    for row in found:
+        none = next(r for r in found if r["optimizer"] == row["optimizer"] and r["setting"] == "none")
+        table.add_row(row["optimizer"], row["setting"],
+                      *(f"{row['loss'][m]:.3f} ({row['loss'][m] / none['loss'][m]:.3f}x)" for m in marks))
+    Console(width=200).print(table)
+
+
 def show(found: list[dict]) -> None:
     table = Table(title=f"2 hosts x 1 worker, {RATE_MBIT} Mbit/s link (median step time, final loss)")
     for column in ("model", "setting", "step time", "vs none", "vs unshaped", "bytes/step/rank", "final loss",
@@ -95,15 +127,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--settings", nargs="+", default=SETTINGS)
+    parser.add_argument("--settings", nargs="*", default=SETTINGS, help="none given: the convergence table only")
+    parser.add_argument("--convergence-steps", type=int, default=150)
     args = parser.parse_args()
     reason = Hosts.unavailable()
     if reason:
         raise SystemExit(f"bench_compression needs network namespaces: {reason}")
-    found = measure(args)
-    show(found)
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "compression.json").write_text(json.dumps(found, indent=1))
+    if args.settings:
+        found = measure(args)
+        show(found)
+        (HERE / "results" / "compression.json").write_text(json.dumps(found, indent=1))
+    if args.convergence_steps:
+        converged = convergence(args.convergence_steps)
+        show_convergence(converged)
+        (HERE / "results" / "compression-convergence.json").write_text(json.dumps(converged, indent=1))
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ def _add_failure_options(train: argparse.ArgumentParser) -> None:
                              "(ps: a worker holding a share this long; default off)")
     faults.add_argument("--inject", action="append", metavar="FAULT",
                         help="inject a fault (repeatable): kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, "
-                             "slow:rank=R,factor=F|delay=S, diverge:rank=R,step=N; or a soak of N seeded random "
+                             "slow:rank=R,factor=F|delay=S, diverge:rank=R,step=N, memory:rank=R,free_mb=M; or a soak of N seeded random "
                              "kills, hangs and slow-downs: chaos:faults=N,seed=S[,kinds=kill+hang+slow][,pace=S]")
 
 
@@ -122,7 +122,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     device, nproc = launch_shape(cfg.launch)
     run_dir = check_train(cfg, nproc, device)
+    _advise(cfg)
     return _launch(cfg, nproc, run_dir)
+
+
+def _advise(cfg: configuration.Config) -> None:
+    """A setting that runs but trains worse than its alternative: said once, before launch."""
+    if cfg.train.compression.startswith("topk") and cfg.train.optimizer.startswith("adam"):
+        print(f"gradmesh: note: --compression {cfg.train.compression} under {cfg.train.optimizer} trains slower per "
+              "step than under sgd (an entry sent once in T steps carries T steps of gradient, which inflates Adam's "
+              "second moment); powersgd:rank=R suits Adam better (see the README's compression benchmark)",
+              file=sys.stderr)
 
 
 def check_train(cfg: configuration.Config, nproc: int, device: str = "cpu") -> Path | None:

@@ -9,8 +9,12 @@ al. 2018; Karimireddy et al. 2019):
   step per training step) and begins from the same seeded random matrix on every rank.
 - top-k, ratio K: each rank sends its ceil(K x numel) largest entries (by magnitude) and their
   indices to every other (all-gather); the mean is the sum of everyone's entries over the ranks.
-Tensors the method would not shrink (vectors, small matrices) go as plain fp32 means, as do all
-tensors during the first `start` steps (DDP rebuilds its buckets after the first step).
+Vectors (biases, norms: few bytes, and top-k's error would delay them most) and matrices the
+method would not shrink go as plain fp32 means, as do all tensors during the first `start` steps
+(DDP rebuilds its buckets after the first step). Top-k suits SGD better than Adam: an entry sent
+once in T steps carries T steps of gradient, so Adam's second moment grows about T-fold for it
+and its steps shrink by about sqrt(T) (measured: 1.03x none's loss under SGD, 1.11x under AdamW
+at 150 steps, 10%).
 
 torch ships a PowerSGD hook, but its state follows DDP's bucket indices, which change when DDP
 rebuilds the buckets and differ in a resumed process, it cannot be checkpointed, and it calls the
@@ -165,7 +169,7 @@ class TopK(ErrorFeedback):
         return max(1, math.ceil(self.ratio * math.prod(shape)))
 
     def compresses(self, shape):
-        return 2 * self._k(shape) < math.prod(shape)  # an index and a value per entry kept
+        return len(shape) >= 2 and 2 * self._k(shape) < math.prod(shape)  # an index and a value per entry kept
 
     def compressed_bytes(self, shape):
         return 8 * self._k(shape)
