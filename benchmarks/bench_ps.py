@@ -99,7 +99,7 @@ def straggler(args) -> list[dict]:
     for _ in range(args.mode_rounds):
         for mode, found in per_round.items():
             steps = args.modes_steps if mode == "sync" else args.modes_steps * 3 // 2
-            found.append(train(3, steps, 32, *MODELS["gpt-char"], "--strategy", "ps", "--ps-mode", mode,
+            found.append(train(3, steps, args.modes_batch, *MODELS["gpt-char"], "--strategy", "ps", "--ps-mode", mode,
                                "--inject", "slow:rank=1,factor=2"))
     result = []
     for mode, runs in per_round.items():
@@ -131,31 +131,44 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--modes-steps", type=int, default=100)
     parser.add_argument("--mode-rounds", type=int, default=3)
+    parser.add_argument("--modes-batch", type=int, default=32, help="global batch of (b)'s runs")
+    parser.add_argument("--only", choices=["compare", "straggler"], help="run one part")
     args = parser.parse_args()
-    result = {"compare": compare(args), "straggler": straggler(args)}
-    console = Console()
+    out = HERE / "results" / "ps.json"
+    result = json.loads(out.read_text()) if args.only and out.exists() else {}  # the other part kept
+    if args.only != "straggler":
+        result["compare"] = compare(args)
+        show_compare(result["compare"])
+    if args.only != "compare":
+        result["straggler"] = straggler(args)
+        show_straggler(result["straggler"])
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+
+
+def show_compare(found: list[dict]) -> None:
     table = Table(title="ps sync vs ddp, 2 workers (median step time, bytes per step over all ranks)")
     for column in ("model", "strategy", "step time", "vs ddp", "bytes/step", "formula"):
         table.add_column(column, justify="right")
-    for row in result["compare"]:
-        ddp = next(r for r in result["compare"] if r["model"] == row["model"] and r["strategy"] == "ddp")
+    for row in found:
+        ddp = next(r for r in found if r["model"] == row["model"] and r["strategy"] == "ddp")
         table.add_row(row["model"], row["strategy"], f"{row['step_s'] * 1e3:.1f} ms", f"{row['step_s'] / ddp['step_s']:.2f}x",
                       f"{row['wire_bytes'] / 1e6:.3f} MB", f"{row['formula_bytes'] / 1e6:.3f} MB")
-    console.print(table)
+    Console().print(table)
+
+
+def show_straggler(found: list[dict]) -> None:
     table = Table(title="gpt-char, 1 server + 2 workers, worker 1 slowed 2x")
     for column in ("mode", "step time", "time to sync's loss (median)", "each round", "steps", "loss at step N",
                    "vs sync", "max staleness"):
         table.add_column(column, justify="right")
-    for row in result["straggler"]:
+    for row in found:
         ratio = f"{row['time_ratio']:.2f}x" if row["time_ratio"] else "not reached"
         rounds = " ".join(f"{r:.2f}" if r else "-" for r in row["time_ratios"])
         steps = " ".join(str(s) if s else "-" for s in row["steps_to_sync_loss"])
         table.add_row(row["mode"], f"{row['step_s'] * 1e3:.1f} ms", ratio, rounds, steps, f"{row['final_loss']:.4f}",
                       f"{row['loss_ratio']:.3f}x", str(row["staleness_max"]))
-    console.print(table)
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "ps.json").write_text(json.dumps(result, indent=1))
-
+    Console().print(table)
 
 if __name__ == "__main__":
     main()
