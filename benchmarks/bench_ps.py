@@ -129,9 +129,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--modes-steps", type=int, default=100)
+    parser.add_argument("--modes-steps", type=int, default=50, help="(b)'s N: sync's steps")
     parser.add_argument("--mode-rounds", type=int, default=3)
-    parser.add_argument("--modes-batch", type=int, default=32, help="global batch of (b)'s runs")
+    parser.add_argument("--modes-batch", type=int, default=128, help="global batch of (b)'s runs")
     parser.add_argument("--only", choices=["compare", "straggler"], help="run one part")
     args = parser.parse_args()
     out = HERE / "results" / "ps.json"

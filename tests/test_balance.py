@@ -78,13 +78,14 @@ def test_the_meter_counts_activations_per_sample_and_not_the_weights():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])  # ddp's path is the auto test's
-def test_static_shares_capped_by_memory_train_the_single_process_model(catalogue, tmp_path, strategy):
+# ddp's path is the auto test's (SGD); AdamW here, on the other sharded path
+@pytest.mark.parametrize("strategy, optimizer", [("zero1", "sgd"), ("fsdp", "adamw")])
+def test_static_shares_capped_by_memory_train_the_single_process_model(catalogue, tmp_path, strategy, optimizer):
     """static:1,3 with 2 micro-batches per share, and rank 1 told it has 0.75 MiB for activations
     (~150 KiB a sample here, fsdp's gathered parameters not counted): from the first re-split
     (step 5) its share is capped at what fits, the rest goes to rank 0, and every update is still
-    one process's (SGD)."""
-    train(tmp_path, 2, *STEPS, "--optimizer", "sgd", "--strategy", strategy, "--grad-accum", "2",
+    one process's."""
+    train(tmp_path, 2, *STEPS, "--optimizer", optimizer, "--strategy", strategy, "--grad-accum", "2",
           "--balance", "static:1,3", "--inject", "memory:rank=1,free_mb=0.75")
     shares = [row["shares"] for row in metrics(tmp_path)]
     assert shares[:5] == [[0.25, 0.75]] * 5
@@ -95,4 +96,4 @@ def test_static_shares_capped_by_memory_train_the_single_process_model(catalogue
     assert cap["cap"] == int(0.9 * cap["free_bytes"] // cap["per_sample_bytes"]) * 2 and 0 < cap["cap"] < 12
     assert cap["free_bytes"] == 0.75 * 2**20 and all(s[1] * 16 <= cap["cap"] + 1e-9 for s in shares[5:])
     assert len({tuple(s) for s in shares[5:]}) == 1 and shares[5][1] < 0.75
-    assert rel_l2(weights(tmp_path), weights(ddp_run(catalogue, 1, "sgd"))) <= 1e-5
+    assert rel_l2(weights(tmp_path), weights(ddp_run(catalogue, 1, optimizer))) <= 1e-5
