@@ -60,6 +60,22 @@ def test_two_nodes_on_loopback_train_like_one_process(catalogue, tmp_path, backe
     assert rel_l2(weights(tmp_path / "two"), weights(one)) <= 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(bool(NO_HOSTS), reason=f"no namespace hosts here ({NO_HOSTS})")
+def test_two_namespace_hosts_train_like_one_process_with_the_static_backend(catalogue, tmp_path):
+    """Static rendezvous across the hosts, no interface flag: gloo must leave by the interface
+    that routes to the endpoint, not by the address the host name resolves to (127.0.0.1).
+    (c10d across the hosts is the lost-host test's.)"""
+    one = ddp_run(catalogue, 1, "sgd")
+    with Hosts(2) as hosts:
+        endpoint = f"{hosts.addresses[0]}:29400"
+        nodes = [hosts.start(node, node_command(tmp_path, "static", endpoint, node),
+                             env=dict(os.environ, PYTHONUNBUFFERED="1")) for node in range(2)]
+        errors = finish(nodes, timeout=180)
+    assert [proc.returncode for proc in nodes] == [0, 0], errors
+    assert rel_l2(weights(tmp_path / "two"), weights(one)) <= 1e-5
+
+
 @pytest.mark.slow  # two launchers, a lost host, a replacement and a rendezvous round
 @pytest.mark.skipif(bool(NO_HOSTS), reason=f"no namespace hosts here ({NO_HOSTS})")
 def test_a_host_lost_whole_is_replaced_and_the_job_resumes_exactly(catalogue, tmp_path):
