@@ -66,7 +66,7 @@ def test_the_meter_counts_activations_per_sample_and_not_the_weights():
 
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.ReLU(), torch.nn.Linear(20, 1))
     for n in (8, 32):
-        meter = ActivationMeter(model)
+        meter = ActivationMeter(lambda: model)
         with meter.around_forward(n):
             model(torch.randn(n, 10)).sum().backward()
         # Saved for backward: the input (10 floats a sample) and the ReLU's output, which the second

@@ -41,7 +41,7 @@ class Balancing(Service):
         self.how, self.static = parse_balance(balance)
         self.grad_accum, self.free_memory = grad_accum, free_memory
         self.busy = self.samples = 0.0
-        self.meter = ActivationMeter(ctx.engine.model)
+        self.meter = ActivationMeter(lambda: ctx.engine.model)
         self.bound: set[int] = set()
 
     def start(self, first_step: int) -> None:

@@ -12,6 +12,7 @@ the machine's available memory split among its ranks (`--inject memory:rank=R,fr
 rank it has less), of which `HEADROOM` is used.
 """
 
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -39,7 +40,8 @@ def _parameter_like(tensor: torch.Tensor) -> bool:
 class ActivationMeter:
     """Bytes saved for backward per sample, measured in one forward pass when `due`."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: Callable[[], nn.Module]):
+        """model: the engine's current module (in-place recovery and bucket tuning re-wrap it)."""
         self.model = model
         self.per_sample: float | None = None
         self.due = True
@@ -50,7 +52,7 @@ class ActivationMeter:
 
     @contextmanager
     def _measure(self, samples: int):
-        own = {place[0] for place in map(_storage, self.model.parameters()) if place}
+        own = {place[0] for place in map(_storage, self.model().parameters()) if place}
         saved: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
