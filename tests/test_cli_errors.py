@@ -52,6 +52,8 @@ CASES = {
                                 "--global-batch-size", "32", "--set", "model.hidden=2"], ["--ps-servers 60", "at most"]),
     "ps negative bound": (["--strategy", "ps", "--nproc", "3", "--ps-mode", "ssp:-1"], ["ssp:-1", "sync, async, ssp:K"]),
     "ps malformed mode": (["--strategy", "ps", "--nproc", "3", "--ps-mode", "bounded"], ["bounded", "sync, async"]),
+    "ps shares of zero": (["--strategy", "ps", "--nproc", "3", "--ps-mode", "async", "--ps-shares", "0"], ["ps.shares", ">= 1"]),
+    "ps shares without ps": (["--nproc", "2", "--ps-shares", "4"], ["--ps-shares apply to --strategy ps"]),
     "ps on a mesh": (["--strategy", "ps", "--nproc", "4", "--mesh", "dp=2,tp=2"], ["ps", "--mesh"]),
     "recsys without rows": (["--model", "recsys", "--set", "model.rows=0"], ["model.rows", ">= 1"]),
     "recsys tables without a row each": (["--model", "recsys", "--set", "model.rows=4"], ["model.rows=4", "model.tables"]),

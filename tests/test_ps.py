@@ -71,7 +71,7 @@ def test_each_role_is_timed_and_the_slow_worker_is_named(catalogue, cli, tmp_pat
     run = digits_run(catalogue, 3, "--strategy", "ps", "--ps-mode", "ssp:2", "--inject", "slow:rank=1,factor=4")
     roles = metrics(run)[-1]["roles"]
     assert roles["worker"]["ranks"] == [0, 1] and roles["server"]["ranks"] == [2]
-    assert roles["server"]["updates"] == [2.0]  # ssp:2 applies each share as it arrives: two per step here
+    assert roles["server"]["updates"] == [4.0]  # ssp:2 applies each share as it arrives: 2 workers x 2 shares
     per_sample = [c / n for c, n in zip(roles["worker"]["compute"], roles["worker"]["samples"])]
     assert per_sample[1] > 2 * per_sample[0]  # the 4x slow-down shows as compute
     assert roles["worker"]["samples"][0] > roles["worker"]["samples"][1]  # the fast worker took more shares

@@ -11,7 +11,7 @@ from gradmesh.paths import checked
 # Command-line flag -> config key. Flags left out stay None and do not override.
 FLAG_KEYS = {
     "model": "model.name", "data": "data.path", "strategy": "train.strategy", "mesh": "train.mesh",
-    "ps_servers": "ps.servers", "ps_mode": "ps.mode",
+    "ps_servers": "ps.servers", "ps_mode": "ps.mode", "ps_shares": "ps.shares",
     "pp_schedule": "train.pp_schedule", "microbatches": "train.microbatches", "pp_split": "train.pp_split",
     "global_batch_size": "train.global_batch_size", "grad_accum": "train.grad_accum", "bucket_mb": "train.bucket_mb", "balance": "train.balance", "compression": "train.compression",
     "optimizer": "train.optimizer", "lr": "train.lr", "max_steps": "train.max_steps",

@@ -29,6 +29,10 @@ class PSConfig:
     mode: str = "sync"
     """sync (one update per step from every worker: single-process training), async (each worker's
     gradient applied as it arrives) or ssp:K (no worker more than K steps ahead of the slowest)."""
+    shares: int = 2
+    """async and ssp:K >= 1: the shares each worker's part of a global batch is cut into, each its
+    own update: smaller, more frequent updates with less staleness (sync keeps data parallelism's
+    one share per worker, and so do hybrid's workers, which all-reduce their dense part)."""
     predict: bool = True
     """async and ssp:K >= 1: workers compute on the parameters predicted for when their gradient
     lands (moved along their recent velocity by the updates expected meanwhile); false: as pulled."""
@@ -36,6 +40,7 @@ class PSConfig:
     def __post_init__(self):
         finite(self)
         positive("ps", "servers", self.servers)
+        positive("ps", "shares", self.shares)
         parse_ps_mode(self.mode)
 
     @property
@@ -47,6 +52,6 @@ class PSConfig:
 def check_ps_options_need_ps(cfg, strategy: str, with_servers: list[str]) -> None:
     """--ps-servers and --ps-mode mean nothing to another strategy: refused rather than ignored
     (except on --resume, where they come from the saved config of a run that used ps)."""
-    if strategy not in with_servers and not cfg.checkpoint.resume and (cfg.ps.servers != 1 or cfg.ps.mode != "sync"):
-        raise UsageError(f"--ps-servers and --ps-mode apply to --strategy {' or '.join(with_servers)}, not "
+    if strategy not in with_servers and not cfg.checkpoint.resume and (cfg.ps.servers, cfg.ps.mode, cfg.ps.shares) != (1, "sync", 2):
+        raise UsageError(f"--ps-servers, --ps-mode and --ps-shares apply to --strategy {' or '.join(with_servers)}, not "
                          f"{strategy}; leave them out or give --strategy {with_servers[0]}")

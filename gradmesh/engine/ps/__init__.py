@@ -47,6 +47,8 @@ class ParameterServerEngine(SegmentReport):
         self.roles = Roles(topology.world_size, job.ps.servers)
         self.hybrid = plan.alone.dense_on_workers
         """The dense parameters replicated on the workers, all-reduced among them (`gradmesh.engine.ps.hybrid`)."""
+        self.split = job.ps.shares if self.bound != 0 and not self.hybrid else 1
+        """Shares per worker and step (`ps.shares`; sync and hybrid: one)."""
         self.layout = layout_of(model, self.roles.servers, on_servers=not self.hybrid)
         is_server = self.roles.is_server(topology.rank)
         topology.role = "server" if is_server else "worker"
@@ -111,7 +113,7 @@ class ParameterServerEngine(SegmentReport):
     def work_segment(self, batches: list[GlobalBatch], probe) -> "Done":
         """Point to point until every share of the segment is applied; workers that die meanwhile
         leave their shares to the others. What it did, for `report_segment`."""
-        segment = Segment(batches, self.roles.workers)
+        segment = Segment(batches, self.roles.workers, self.split)
         self.whole.release()  # evaluation or a checkpoint may have gathered them
         log = None
         if self.server:

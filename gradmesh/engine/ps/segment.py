@@ -1,8 +1,8 @@
 """What every rank of a parameter-server job knows about a segment of steps before it starts.
 
 The loop hands the engine the global batches of a segment (every rank draws the same ones).
-Each batch is cut into W shares ("chunks", one per worker, as data parallelism would) in
-global order; empty shares (an epoch's short last batch) are no work. Clock c is the global
+Each batch is cut into W shares ("chunks", one per worker, as data parallelism would; under
+async and ssp, W x `ps.shares` smaller ones) in global order; empty shares (an epoch's short last batch) are no work. Clock c is the global
 step `batch.step`; a server's version counts the updates it applied since step 0 (sync and
 ssp: clocks; async: shares).
 """
@@ -18,13 +18,16 @@ from gradmesh.data import GlobalBatch
 class Segment:
     batches: list[GlobalBatch]
     workers: int
+    split: int = 1
+    """Shares per worker: each batch is cut into workers x split shares (async and ssp)."""
     chunks: dict[int, list[tuple[int, list[int]]]] = field(default_factory=dict)
     """clock -> [(chunk, sample indices)] of its non-empty shares, in order."""
     started: float = field(default_factory=time.time)
 
     def __post_init__(self):
         for batch in self.batches:
-            shares = [(j, batch.share(j, self.workers, 1)[0]) for j in range(self.workers)]
+            n = self.workers * self.split
+            shares = [(j, batch.share(j, n, 1)[0]) for j in range(n)]
             self.chunks[batch.step] = [(j, indices) for j, indices in shares if indices]
 
     @property
