@@ -94,11 +94,39 @@ def tie_to_launcher() -> None:
 
 
 def run_script(script: str, args: list[str]) -> None:
-    """Run a user's script as `python SCRIPT.py ARGS` would, tied to the launcher."""
+    """Run a user's script as `python SCRIPT.py ARGS` would, tied to the launcher.
+
+    Once the script has finished (returned or called sys.exit), its atexit handlers run and the
+    process leaves without the interpreter's finalisation, as `gradmesh train`'s workers do: gloo's
+    threads can still hold tensors of a process group that lives on in some object, and freeing
+    them while the interpreter is torn down aborts the process (SIGABRT, "terminate called without
+    an active exception"; pytorch#179291) after a run that succeeded. An exception still ends the
+    process the usual way, with its traceback."""
     tie_to_launcher()
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else _said(done.code))
+    _leave(code)
+
+
+def _said(message) -> int:
+    """sys.exit("text"): Python prints the text to stderr and exits 1."""
+    print(message, file=sys.stderr)
+    return 1
+
+
+def _leave(code: int) -> None:
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
