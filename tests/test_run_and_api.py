@@ -48,6 +48,14 @@ def test_worker_crash_shows_its_traceback_and_fails_without_hanging(tmp_path):
     assert "worker rank 1" in result.stderr
 
 
+def test_a_scripts_own_exit_code_is_reported_as_such(tmp_path):
+    script = tmp_path / "three.py"  # 3 is also the code gradmesh's step watchdog exits with
+    script.write_text("import atexit, sys\natexit.register(lambda: print('atexit ran', flush=True))\nsys.exit(3)\n")
+    result = gradmesh("run", "--nproc", "1", str(script), timeout=120)
+    assert result.returncode == 1 and "worker rank 0" in result.stderr and "exited with code 3" in result.stderr
+    assert "hung" not in result.stderr and "atexit ran" in result.stdout
+
+
 def test_python_api_example_matches_single_process_with_an_empty_share(tmp_path):
     """33 samples, 8 per step: the last step of each epoch has 1 sample, so one rank's share is
     empty there; SGD exposes any wrong weighting."""

@@ -55,11 +55,13 @@ def root_failure(err: ChildFailedError):
     return min(killed, key=lambda item: item[1].timestamp) if killed else err.get_first_failure()
 
 
-def describe_failure(err: ChildFailedError) -> str:
+def describe_failure(err: ChildFailedError, watched: bool = True) -> str:
+    """watched: gradmesh's own workers, whose step watchdog exits with EXIT_HANG (a user's script
+    under `gradmesh run` may exit with that code for reasons of its own)."""
     rank, failure = root_failure(err)
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
-    elif failure.exitcode == EXIT_HANG:
+    elif failure.exitcode == EXIT_HANG and watched:
         return f"gradmesh: the run hung (rank {rank} exited after the step watchdog fired; see the hang report above)"
     else:
         how = f"exited with code {failure.exitcode}"
@@ -103,7 +105,7 @@ def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restart
         with stores.loopback_servers() if single_machine(launch) else contextlib.nullcontext():
             torchrun.run(args)
     except ChildFailedError as err:
-        print(describe_failure(err), file=sys.stderr, flush=True)
+        print(describe_failure(err, watched="gradmesh.worker" in target), file=sys.stderr, flush=True)
         return 1
     except SignalException as err:  # the agent has passed the signal on and reaped every worker
         print(lifeline.stopped_line(err.sigval, nproc), file=sys.stderr, flush=True)
