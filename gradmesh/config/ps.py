@@ -52,6 +52,8 @@ class PSConfig:
 def check_ps_options_need_ps(cfg, strategy: str, with_servers: list[str]) -> None:
     """--ps-servers and --ps-mode mean nothing to another strategy: refused rather than ignored
     (except on --resume, where they come from the saved config of a run that used ps)."""
-    if strategy not in with_servers and not cfg.checkpoint.resume and (cfg.ps.servers, cfg.ps.mode, cfg.ps.shares) != (1, "sync", 2):
+    given, default = cfg.ps, PSConfig()
+    if strategy not in with_servers and not cfg.checkpoint.resume and \
+            (given.servers, given.mode, given.shares) != (default.servers, default.mode, default.shares):
         raise UsageError(f"--ps-servers, --ps-mode and --ps-shares apply to --strategy {' or '.join(with_servers)}, not "
                          f"{strategy}; leave them out or give --strategy {with_servers[0]}")

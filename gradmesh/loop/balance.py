@@ -103,6 +103,7 @@ class Balancing(Service):
             r = int(dp_rank)
             times[r], per_sample[r], budget[r] = max(times[r], seconds), max(per_sample[r], nbytes), min(budget[r], room)
         return times, per_sample, budget
+
     def _tell(self, step: int, shares: tuple[float, ...], times: list[float]) -> None:
         slowest = max(range(len(times)), key=lambda r: times[r])
         why = (f"data-parallel rank {slowest} the slowest: {times[slowest] * 1e3:.1f} ms of work per step against "
