@@ -14,7 +14,8 @@ is nearly free; `auto` runs there too (it should choose none and cost nothing).
 
 Convergence (`--convergence-steps`, default 150; 0 skips it): the loss does not depend on the
 link, so the default model trains longer on the unshaped link under AdamW and under SGD with
-none, PowerSGD and top-k; the table gives each setting's loss (mean of 5 steps) against none's at
+none, PowerSGD and top-k (under AdamW also top-k after a dense warm-up); the table gives each
+setting's bytes per step (mean over the run) and loss (mean of 5 steps) against none's at
 steps 30, 60, 100 and the last (warm-up lasts 20 steps: 30 steps say little about convergence).
 Written to benchmarks/results/compression-convergence.json.
 """
@@ -83,16 +84,20 @@ def measure(args) -> list[dict]:
     return found
 
 
-CONVERGENCE = ["none", "powersgd:rank=4", "topk:ratio=0.1", "topk:ratio=0.01"]
+CONVERGENCE = {"adamw": ["none", "powersgd:rank=4", "topk:ratio=0.1", "topk:ratio=0.1,start=20", "topk:ratio=0.1,start=50",
+                          "topk:ratio=0.01"],
+               "sgd": ["none", "powersgd:rank=4", "topk:ratio=0.1", "topk:ratio=0.01"]}
+"""Under AdamW also top-k after a dense warm-up (Lin et al. 2018): the first N steps uncompressed."""
 
 
 def convergence(steps: int) -> list[dict]:
     marks = sorted({m for m in (30, 60, 100, steps) if m <= steps})
     found = []
-    for optimizer in ("adamw", "sgd"):
-        for setting in CONVERGENCE:
+    for optimizer, settings in CONVERGENCE.items():
+        for setting in settings:
             rows = two_hosts("", steps, setting, ["--optimizer", optimizer])
             found.append({"optimizer": optimizer, "setting": setting,
+                          "mean_bytes": statistics.fmean(r["breakdown"]["comm_bytes"][0] for r in rows),
                           "loss": {m: statistics.fmean(r["loss"] for r in rows[m - 5:m]) for m in marks}})
     return found
 
@@ -100,11 +105,11 @@ def convergence(steps: int) -> list[dict]:
 def show_convergence(found: list[dict]) -> None:
     marks = list(found[0]["loss"])
     table = Table(title="Convergence: loss against none's (default gpt-char, 2 hosts, unshaped link)")
-    for column in ("optimizer", "setting", *(f"step {m}" for m in marks)):
+    for column in ("optimizer", "setting", "bytes/step/rank (run mean)", *(f"step {m}" for m in marks)):
         table.add_column(column, justify="right")
     for row in found:
         none = next(r for r in found if r["optimizer"] == row["optimizer"] and r["setting"] == "none")
-        table.add_row(row["optimizer"], row["setting"],
+        table.add_row(row["optimizer"], row["setting"], f"{row['mean_bytes'] / 1e6:.2f} MB",
                       *(f"{row['loss'][m]:.3f} ({row['loss'][m] / none['loss'][m]:.3f}x)" for m in marks))
     Console(width=200).print(table)
 
