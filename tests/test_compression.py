@@ -177,3 +177,29 @@ def test_fsdp_reduce_scatters_at_half_width(solo_group):
         states = [module._get_fsdp_state() for module in sharded.modules() if hasattr(module, "_get_fsdp_state")]
         assert states and all(state._mp_policy.reduce_dtype == dtype for state in states)
         assert all(p.dtype == torch.float32 for p in sharded.parameters())
+
+
+def test_fp16_pushes_keep_their_digits_whatever_the_gradients_scale():
+    """A parameter server's fp16 push is scaled by a power of two before the cast: gradients near
+    1e-7 (where a plain fp16 cast keeps a digit or none) and near 1e6 (past fp16's 65504) come back
+    within fp16's rounding, 2^-11 relative; zeros and empty pushes pass; bf16 is a plain cast."""
+    import torch
+
+    from gradmesh.comm.compress import PushCodec
+
+    fp16, bf16 = PushCodec("fp16"), PushCodec("bf16")
+    for scale in (1e-7, 1.0, 1e6):
+        values = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * scale
+        payload = fp16.encode(values)
+        assert payload.dtype == torch.float16 and payload.numel() == fp16.numel(1000) == 1001
+        back = torch.empty(1000)
+        fp16.decode(payload, back)
+        assert ((back - values).abs() <= values.abs() * 2**-11).all(), scale
+    assert (values.to(torch.float16).float() - values).abs().max() == float("inf")  # why the scale
+    tiny = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-7
+    assert ((tiny.to(torch.float16).float() - tiny).abs() > tiny.abs() * 2**-11).any()
+    for values in (torch.zeros(5), torch.zeros(0)):
+        back = torch.full_like(values, 7.0)
+        fp16.decode(fp16.encode(values), back)
+        assert back.tolist() == values.tolist()
+    assert bf16.numel(10) == 10 and torch.equal(bf16.encode(tiny), tiny.to(torch.bfloat16))

@@ -176,7 +176,7 @@ ROWS = (
              state_bytes=lambda size, n: FP32 * size.params * 2,
              wire_bytes=lambda size, n: 2 * FP32 * size.params,
              roles=("worker", "server"), sync="gradmesh.parallel.data:no_sync", checks=(_check_ps,),
-             same_work=False, step_breakdown=False, inplace_recovery=True, compressions=(),
+             same_work=False, step_breakdown=False, inplace_recovery=True, compressions=("fp16", "bf16"),
              critical="gradmesh.parallel.ps:server_ranks"),
     # The dense part as ddp keeps it, among the W workers; the tables' rows move as under ps
     # (counted apart, per row touched). In-place recovery would have to regroup the workers'

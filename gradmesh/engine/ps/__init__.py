@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gradmesh.comm.compress import PushCodec
 from gradmesh.comm.ps_wire import Kind, Message, Wire
 from gradmesh.data import GlobalBatch
 from gradmesh.engine.base import Job, StepOutcome
@@ -65,7 +66,8 @@ class ParameterServerEngine(SegmentReport):
                                  self.wire, job, self.bound, servers_group, shards, self.hybrid)
             self.optimizer = self.server.optimizer
         else:
-            tables = WorkerTables(model, self.sparse, self.roles, self.wire) if self.sparse else None
+            tables = (WorkerTables(model, self.sparse, self.roles, self.wire, PushCodec(job.train.compression))
+                      if self.sparse else None)
             replica = DenseReplica(self.flat, grads, self.workers_group, job, self.bound == 0) if self.hybrid else None
             self.worker = Worker(self.roles, self.layout, model, [p for _, p in self.dense], self.flat, grads,
                                  self.wire, job, self.bound, bucket, topology.device, tables, replica)

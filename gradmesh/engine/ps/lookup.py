@@ -14,14 +14,18 @@ while (`ParameterServerEngine.refresh`).
 import torch
 import torch.nn as nn
 
+from gradmesh.comm.compress import PushCodec
 from gradmesh.comm.ps_wire import Kind, Message
 from gradmesh.engine.ps.tables import payload_of
 from gradmesh.parallel.ps import TableSpace
 
 
 class WorkerTables:
-    def __init__(self, model: nn.Module, tables: list[tuple[str, nn.Embedding]], roles, wire):
+    def __init__(self, model: nn.Module, tables: list[tuple[str, nn.Embedding]], roles, wire,
+                 codec: PushCodec | None = None):
         self.tables, self.roles, self.wire = [module for _, module in tables], roles, wire
+        self.codec = codec or PushCodec("none")
+        """How the rows' gradients travel (--compression fp16|bf16: half width)."""
         self.clock = None
         """The worker's `RoleClock` (its wait for rows is pull time)."""
         self.space = TableSpace([module.num_embeddings for module in self.tables], roles.servers)
@@ -101,5 +105,5 @@ class WorkerTables:
         for s, mine in self.space.by_server(ids):
             server = self.roles.server_rank(s)
             self.wire.send(server, Message(Kind.GRADS, samples=int(mine.sum())), ids[mine])
-            self.wire.send_payload(server, values[mine].contiguous())
+            self.wire.send_payload(server, self.codec.encode(values[mine]).contiguous())
         return float(values.double().pow(2).sum())

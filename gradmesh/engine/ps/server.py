@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.nn as nn
 
+from gradmesh.comm.compress import PushCodec
 from gradmesh.comm.ps_wire import Kind, Message, Wire
 from gradmesh.engine.ps.apply import Applying
 from gradmesh.engine.ps.segment import Dispatcher, Segment
@@ -34,7 +35,9 @@ class Server(Applying):
         self.index, self.wire, self.job, self.bound = index, wire, job, bound
         self.dense_on_workers = dense_on_workers
         """Hybrid: the dense parameters are the workers' (all-reduced); this server holds tables only."""
-        self.tables = ServerTables(tables or [], job.optimizer_kwargs.get("table_lr", job.optimizer_kwargs["lr"]))
+        self.codec = PushCodec(job.train.compression)
+        self.tables = ServerTables(tables or [], job.optimizer_kwargs.get("table_lr", job.optimizer_kwargs["lr"]),
+                                   self.codec)
         self.low, self.high = shard
         self.buckets, self.servers_group = buckets, servers_group
         self.param = nn.Parameter(flat[self.low:self.high])  # a view: the mirror model sees every update
@@ -131,21 +134,31 @@ class Server(Applying):
             return False
         return self.dispatcher is None or set(range(self.workers)) - self.lost <= self.told_done
 
+    def receive_push(self, source: int, bucket: int) -> None:
+        """One bucket of a worker's gradient, into that worker's receiving buffer (in fp32; a
+        half-width push is received apart and widened)."""
+        low, high = self.buckets[bucket]
+        if source not in self.receiving:  # a spare buffer, taken only when a share starts
+            self.receiving[source] = self.spare.pop() if self.spare else torch.empty_like(self.param.detach())
+        into = self.receiving[source][low - self.low:high - self.low]
+        same = self.codec.dtype == into.dtype
+        pushed = into if same else torch.empty(self.codec.numel(into.numel()), dtype=self.codec.dtype, device=into.device)
+        with self.clock.phase("receive"):
+            try:
+                self.wire.payload_from(source, pushed).wait()
+            except RuntimeError:  # its worker died before sending it
+                self.broken.add(source)
+                self.failed.add(source)
+                return
+        if not same:
+            self.codec.decode(pushed, into)
+
     def handle(self, source: int, message: Message) -> None:
         kind = message.kind
         if source in self.broken:
             return  # what a dead worker sent after a payload it never finished: incomplete
         if kind == Kind.PUSH:
-            low, high = self.buckets[message.bucket]
-            if source not in self.receiving:  # a spare buffer, taken only when a share starts
-                self.receiving[source] = self.spare.pop() if self.spare else torch.empty_like(self.param.detach())
-            buffer = self.receiving[source]
-            with self.clock.phase("receive"):
-                try:
-                    self.wire.payload_from(source, buffer[low - self.low:high - self.low]).wait()
-                except RuntimeError:  # its worker died before sending it
-                    self.broken.add(source)
-                    self.failed.add(source)
+            self.receive_push(source, message.bucket)
         elif kind in (Kind.ROWS, Kind.GRADS):
             self.table_message(source, message)
         elif kind == Kind.COMMIT:

@@ -17,6 +17,7 @@ arrives, at lr x share/batch, as the dense part does.
 import torch
 import torch.nn as nn
 
+from gradmesh.comm.compress import PushCodec
 from gradmesh.comm.ps_wire import Kind, Message
 from gradmesh.optim import rowwise_adagrad
 from gradmesh.parallel.ps import TableSpace, table_rows
@@ -50,8 +51,8 @@ class ServerTables:
     """A server's row ranges of every sparse table, and the rows workers pushed: kept with their
     share until it commits, then applied with it (sync: summed over the step's shares)."""
 
-    def __init__(self, shards: list[TableShard], lr: float):
-        self.shards, self.lr = shards, lr
+    def __init__(self, shards: list[TableShard], lr: float, codec: PushCodec | None = None):
+        self.shards, self.lr, self.codec = shards, lr, codec or PushCodec("none")
         self.space = TableSpace([s.count for s in shards], shards[0].servers) if shards else None
         self.receiving: dict[int, list] = {}
         """worker -> [(table, ids, gradient rows)] pushed for the share it has not committed yet."""
@@ -69,7 +70,11 @@ class ServerTables:
         ids = payload_of(wire, source, message.samples, 0, like.device)
         if message.kind == Kind.ROWS:
             return ids
-        grads = payload_of(wire, source, message.samples, like.shape[1], like.device, like.dtype)
+        grads = torch.empty(message.samples, like.shape[1], dtype=like.dtype, device=like.device)
+        pushed = torch.empty(self.codec.numel(grads.numel()), dtype=self.codec.dtype, device=like.device)
+        if message.samples:
+            wire.payload_from(source, pushed).wait()
+            self.codec.decode(pushed, grads)
         ranges = self.space.ranges(ids)
         tables, parts = ranges // self.space.servers, self.receiving.setdefault(source, [])
         for table in torch.unique(tables).tolist():

@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn as nn
 
+from gradmesh.comm.compress import PushCodec
 from gradmesh.comm.ps_wire import Kind, Message, Wire
 from gradmesh.data import fetch
 from gradmesh.data.sampler import split_evenly
@@ -42,6 +43,7 @@ class Worker:
         self.roles, self.layout, self.model = roles, layout, model
         self.flat, self.grads, self.wire, self.job, self.bound, self.device = flat, grads, wire, job, bound, device
         self.replica = replica
+        self.codec = PushCodec(job.train.compression)
         self.prediction = None
         """`gradmesh.engine.ps.predict.WeightPrediction` under async and ssp:K >= 1, else None."""
         """Hybrid: `gradmesh.engine.ps.hybrid.DenseReplica` (the dense part all-reduced, not pushed)."""
@@ -225,4 +227,5 @@ class Worker:
             return
         clock, chunk, versions = self.task
         self.wire.send(self.roles.server_rank(server), Message(Kind.PUSH, clock=clock, chunk=chunk,
-                                                               version=versions[server], bucket=k), self.grads[low:high])
+                                                               version=versions[server], bucket=k),
+                       self.codec.encode(self.grads[low:high]))  # fp32: a view, else a copy the wire keeps until sent
