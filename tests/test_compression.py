@@ -9,7 +9,7 @@ import pytest
 from catalogue import copy_run
 from gradmesh.fault import checkpoint
 from helpers import metrics, rel_l2, train, weights
-from runs import STEPS, ddp_run
+from runs import STEPS, ddp_run, sharded_run
 
 
 @pytest.mark.parametrize("compression, tolerance", [("fp16", 1e-5), ("bf16", 1e-4)])  # measured 1.3e-6, 1.1e-5
@@ -157,14 +157,17 @@ def test_auto_compresses_when_the_all_reduce_would_dominate():
     assert decide([torch.Size([4096])], 2, bandwidth=1e3, step_s=0.5, feedback_ok=True)["choice"] == "bf16"
 
 
-def test_fsdp_reduce_scatters_at_half_width(solo_group):
+def test_fsdp_reduce_scatters_at_half_width_through_a_counted_collective(solo_group):
     """fsdp with bf16 sets FSDP2's reduce dtype on every unit (parameters stay fp32); with none,
-    no reduce dtype. (While it was built, a 2-rank SGD run of 20 steps with bf16 ended within 1e-4
-    of fp32 fsdp's model and not equal to it; the suite's time budget keeps this test to the
-    wiring, on a one-rank group.)"""
+    no reduce dtype; every unit reduce-scatters through gradmesh's counted collective (FSDP2
+    skips it on one rank, so the bytes are checked on two, below). (While it was built, a 2-rank SGD run of 20 steps with bf16 ended within 1e-4 of fp32
+    fsdp's model and not equal to it; the suite's time budget keeps this test to the wiring, on a
+    one-rank group.)"""
     from types import SimpleNamespace
 
     import torch
+    from gradmesh.comm.reducer import CommCounter
+    from gradmesh.comm.scatter import CountedReduceScatter
     from gradmesh.parallel.options import ApplyOptions
     from gradmesh.parallel.sharded import apply_fsdp
     from torch.distributed.device_mesh import init_device_mesh
@@ -173,10 +176,22 @@ def test_fsdp_reduce_scatters_at_half_width(solo_group):
     topology = SimpleNamespace(device=torch.device("cpu"), mesh_shape={}, mesh={"dp": mesh["dp"]})
     for compression, dtype in (("bf16", torch.bfloat16), ("none", None)):
         model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4)]), torch.nn.Linear(4, 2))
-        sharded = apply_fsdp(model, topology, ApplyOptions(reducer=None, compression=compression))
+        counter = CommCounter()
+        sharded = apply_fsdp(model, topology, ApplyOptions(reducer=None, counter=counter, compression=compression))
         states = [module._get_fsdp_state() for module in sharded.modules() if hasattr(module, "_get_fsdp_state")]
         assert states and all(state._mp_policy.reduce_dtype == dtype for state in states)
         assert all(p.dtype == torch.float32 for p in sharded.parameters())
+        groups = [group for state in states for group in state._fsdp_param_groups]
+        assert len(groups) == 2 and all(isinstance(g._reduce_scatter_comm, CountedReduceScatter) for g in groups)
+
+
+def test_fsdp_counts_each_ranks_padded_gradient_at_every_step(catalogue):
+    """2 ranks: FSDP2 pads each parameter's first dimension to a multiple of the ranks before
+    the reduce-scatter; every rank hands 4 bytes per padded element to it at every step (bf16's
+    2 follow from the reduce dtype checked above)."""
+    run = sharded_run(catalogue, 2, "adamw", "fsdp")
+    padded = sum(math.ceil(t.shape[0] / 2) * 2 * t[0].numel() for t in weights(run).values())
+    assert all(row["breakdown"]["comm_bytes"] == [4 * padded] * 2 for row in metrics(run))
 
 
 def test_fp16_pushes_keep_their_digits_whatever_the_gradients_scale():

@@ -141,7 +141,7 @@ class Engine:
     def __init__(self, topology: Topology, plan: Plan, model: nn.Module, job: Job):
         self.topology, self.plan, self.job, self.plain = topology, plan, job, model
         self.options = ApplyOptions(reducer=job.reducer, bucket_mb=job.train.bucket_mb or DEFAULT_BUCKET_MB,
-                                    compression=job.train.compression,
+                                    counter=job.counter, compression=job.train.compression,
                                     pipeline=self.pipeline_options(model))
         self.model = apply_plan(model, topology, plan, self.options)
         owner = plan.state_owner

@@ -13,6 +13,8 @@ class ApplyOptions:
     """gradmesh.comm.Reducer: the one path data-parallel gradients are averaged on."""
     bucket_mb: float = 25.0
     """DDP's gradient bucket size in MiB."""
+    counter: object = None
+    """gradmesh.comm.CommCounter: where collectives the reducer does not issue (FSDP2's) count their bytes."""
     compression: str = "none"
     """--compression: what fsdp sets its reduce dtype from (other strategies use the reducer)."""
     pipeline: object = None

@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from gradmesh.comm.scatter import CountedReduceScatter
 from gradmesh.parallel.options import ApplyOptions
 from gradmesh.topology import Topology
 
@@ -43,13 +44,16 @@ REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 def apply_fsdp(model: nn.Module, topology: Topology, options: ApplyOptions) -> nn.Module:
     """--compression fp16|bf16: FSDP2 reduce-scatters the gradients at that width (its reduce
-    dtype; parameters and the sharded gradients stay fp32)."""
+    dtype; parameters and the sharded gradients stay fp32). Each unit's reduce-scatter is counted."""
     model.to(topology.device)
     mesh = topology.mesh[data_axis(topology)]
     policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES.get(options.compression))
-    for unit in _units(model):
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, mp_policy=policy)
+    units = [fully_shard(unit, mesh=mesh, mp_policy=policy) for unit in _units(model)]
+    root = fully_shard(model, mesh=mesh, mp_policy=policy)
+    if options.counter is not None:
+        for unit in (*units, root):
+            unit.set_custom_reduce_scatter(CountedReduceScatter(options.counter))
+    return root
 
 
 def fsdp_sync(model: nn.Module, topology: Topology, options: ApplyOptions, last_micro_batch: bool):
