@@ -133,8 +133,8 @@ def _advise(cfg: configuration.Config) -> None:
     if cfg.train.compression.startswith("topk") and cfg.train.optimizer.startswith("adam"):
         print(f"gradmesh: note: --compression {cfg.train.compression} under {cfg.train.optimizer} trains slower per "
               "step than under sgd (an entry sent once in T steps carries T steps of gradient, which inflates Adam's "
-              "second moment); powersgd:rank=R suits Adam better (see the README's compression benchmark)",
-              file=sys.stderr)
+              "second moment); a dense warm-up narrows the gap (topk:ratio=K,start=N), and powersgd:rank=R suits Adam "
+              "better (see the README's compression benchmark)", file=sys.stderr)
 
 
 def check_train(cfg: configuration.Config, nproc: int, device: str = "cpu") -> Path | None:

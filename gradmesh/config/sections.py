@@ -50,7 +50,8 @@ class TrainConfig:
     speed, re-split every few steps) or static:S1,S2,... (fixed proportions); every split trains the same model."""
     compression: str = "none"
     """How data-parallel gradients travel: none (fp32), fp16 or bf16 (half the bytes), powersgd:rank=R[,start=N]
-    (low-rank, with error feedback, after N plain steps) or topk:ratio=K (the largest K of each gradient, with error feedback)."""
+    (low-rank, with error feedback, after N plain steps), topk:ratio=K[,start=N] (the largest K of each gradient,
+    with error feedback) or auto (chosen from a link probe after step 2)."""
     optimizer: str = "adamw"
     """adamw or sgd."""
     lr: float = 2e-3
