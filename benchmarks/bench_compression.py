@@ -12,7 +12,7 @@ the uncompressed all-reduce, 2(N-1)/N x S/B (N = 2 ranks, S = 4 bytes x paramete
 link). The limit: the same model with no compression on an unshaped link, where communication
 is nearly free; `auto` runs there too (it should choose none and cost nothing), the two
 alternating for `--rounds` rounds (default 3; the median counts), since a few percent is the
-noise between two runs.
+noise between two runs (auto's cost: the median of each round's auto over that round's none).
 
 Convergence (`--convergence-steps`, default 150; 0 skips it): the loss does not depend on the
 link, so the default model trains longer on the unshaped link under AdamW and under SGD with
@@ -72,6 +72,12 @@ def summarise(rows: list[dict], warmup: int) -> dict:
             "bytes": statistics.median(r["breakdown"]["comm_bytes"][0] for r in rows[warmup:])}
 
 
+def paired(times: list[float], references: list[float]) -> float:
+    """The median over rounds of each run's step time over its round's reference run's: the
+    machine's drift between rounds cancels."""
+    return statistics.median(t / r for t, r in zip(times, references))
+
+
 def measure(args) -> list[dict]:
     found = []
     for size, extra in SIZES.items():
@@ -87,6 +93,8 @@ def measure(args) -> list[dict]:
         for setting, rounds in unshaped.items():
             runs[f"{setting}, unshaped link"] = {**rounds[0], "step_s": statistics.median(r["step_s"] for r in rounds),
                                                  "rounds_step_s": [r["step_s"] for r in rounds]}
+        runs["auto, unshaped link"]["paired_vs_none"] = paired(*(runs[f"{s}, unshaped link"]["rounds_step_s"]
+                                                                 for s in ("auto", "none")))
         for setting, entry in runs.items():
             found.append({"model": size, "params": p, "setting": setting, **entry,
                           "theory_comm_s": 2 * (2 - 1) / 2 * 4 * p / (RATE_MBIT * 1e6 / 8)})
@@ -132,7 +140,8 @@ def show(found: list[dict]) -> None:
         none = next(r for r in found if r["model"] == row["model"] and r["setting"] == "none")
         free = next(r for r in found if r["model"] == row["model"] and r["setting"] == "none, unshaped link")
         table.add_row(row["model"], row["setting"], f"{row['step_s'] * 1e3:.0f} ms", f"{row['step_s'] / none['step_s']:.2f}x",
-                      f"{row['step_s'] / free['step_s']:.2f}x", f"{row['bytes'] / 1e6:.2f} MB", f"{row['loss']:.4f}",
+                      f"{row.get('paired_vs_none', row['step_s'] / free['step_s']):.2f}x", f"{row['bytes'] / 1e6:.2f} MB",
+                      f"{row['loss']:.4f}",
                       f"{row['loss'] / none['loss']:.3f}x", f"{row['theory_comm_s'] * 1e3:.0f} ms")
     Console(width=200).print(table)
 
