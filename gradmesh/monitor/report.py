@@ -3,15 +3,13 @@ paper, or to read where no browser can reach the dashboard.
 
 matplotlib figures are drawn on the Agg canvas directly (no pyplot): no display is needed and
 no global backend state is touched in a process that may be plotting something else.
+matplotlib is imported only once there is something to plot.
 """
 
 import html
 import math
 import time
 from pathlib import Path
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from gradmesh.errors import UsageError
 from gradmesh.files import atomic_write, read_jsonl
@@ -23,6 +21,11 @@ MiB = 1024 * 1024
 
 
 def _figure(title: str, ylabel: str, xlabel: str = "step"):
+    # Imported here, not at the top: matplotlib's first import in a fresh environment builds its
+    # font cache by running fc-list, and a bad run dir must be refused before anything starts.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(7, 3.6), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
