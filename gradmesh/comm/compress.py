@@ -60,8 +60,17 @@ class PushCodec:
         head = torch.tensor([float(exponent)], dtype=self.dtype, device=flat.device)
         return torch.cat([flat.mul(2.0 ** exponent).to(self.dtype), head])
 
+    def buffer(self, into: torch.Tensor) -> torch.Tensor:
+        """Where a push meant for `into` (fp32) is received: `into` itself when pushes travel in
+        fp32, else a buffer of the wire's width for `decode`."""
+        if self.dtype == into.dtype:
+            return into
+        return torch.empty(self.numel(into.numel()), dtype=self.dtype, device=into.device)
+
     def decode(self, payload: torch.Tensor, into: torch.Tensor) -> None:
-        """Widen `payload` (as `encode` made it) into `into`, an fp32 tensor of the pushed shape."""
+        """Widen `payload` (from `buffer(into)`) into `into`; nothing to do if it was `into`."""
+        if payload is into:
+            return
         into.copy_(payload[:into.numel()].view_as(into))
         if self.scaled:
             into.mul_(2.0 ** -int(payload[-1]))

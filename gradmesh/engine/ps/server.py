@@ -141,8 +141,7 @@ class Server(Applying):
         if source not in self.receiving:  # a spare buffer, taken only when a share starts
             self.receiving[source] = self.spare.pop() if self.spare else torch.empty_like(self.param.detach())
         into = self.receiving[source][low - self.low:high - self.low]
-        same = self.codec.dtype == into.dtype
-        pushed = into if same else torch.empty(self.codec.numel(into.numel()), dtype=self.codec.dtype, device=into.device)
+        pushed = self.codec.buffer(into)
         with self.clock.phase("receive"):
             try:
                 self.wire.payload_from(source, pushed).wait()
@@ -150,8 +149,7 @@ class Server(Applying):
                 self.broken.add(source)
                 self.failed.add(source)
                 return
-        if not same:
-            self.codec.decode(pushed, into)
+        self.codec.decode(pushed, into)
 
     def handle(self, source: int, message: Message) -> None:
         kind = message.kind

@@ -71,12 +71,10 @@ class ServerTables:
         if message.kind == Kind.ROWS:
             return ids
         grads = torch.empty(message.samples, like.shape[1], dtype=like.dtype, device=like.device)
-        same = self.codec.dtype == like.dtype  # fp32: received in place, no copy
-        pushed = grads if same else torch.empty(self.codec.numel(grads.numel()), dtype=self.codec.dtype, device=like.device)
+        pushed = self.codec.buffer(grads)
         if message.samples:
             wire.payload_from(source, pushed).wait()
-            if not same:
-                self.codec.decode(pushed, grads)
+            self.codec.decode(pushed, grads)
         ranges = self.space.ranges(ids)
         tables, parts = ranges // self.space.servers, self.receiving.setdefault(source, [])
         for table in torch.unique(tables).tolist():
