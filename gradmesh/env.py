@@ -58,6 +58,11 @@ def collective_timeout() -> float | None:
     return float(seconds) if seconds else None
 
 
+def set_collective_timeout(seconds: float) -> None:
+    """For the workers a launcher starts: collectives wait this long before they fail."""
+    os.environ["GRADMESH_COLLECTIVE_TIMEOUT"] = str(seconds)
+
+
 def omp_threads() -> int | None:
     """The user's OMP_NUM_THREADS, when it is a positive whole number."""
     text = os.environ.get("OMP_NUM_THREADS", "")

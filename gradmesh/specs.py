@@ -1,6 +1,6 @@
 """The small option languages of the command line, parsed where the config is checked.
 
-`--inject` takes fault specifications (kill, hang, slow, diverge, memory). Their grammar lives here,
+`--inject` takes fault specifications (kill, hang, slow, diverge, memory, nan). Their grammar lives here,
 at the config layer, so that checking a config needs no fault-handling code; the injector
 (`gradmesh.fault.inject`) acts on the parsed `Fault` records.
 """
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from gradmesh.errors import UsageError
 
 KINDS = {"kill": {"rank", "step", "at"}, "hang": {"rank", "step"}, "slow": {"rank", "factor", "delay", "step", "steps"},
-         "diverge": {"rank", "step"}, "memory": {"rank", "free_mb"}}
+         "diverge": {"rank", "step"}, "memory": {"rank", "free_mb"}, "nan": {"rank", "step", "steps"}}
 FORMS = ("kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, slow:rank=R,factor=F|delay=SECONDS[,step=N,steps=M], "
-         "diverge:rank=R,step=N, memory:rank=R,free_mb=M or chaos:faults=N,seed=S[,kinds=kill+hang+slow][,pace=SECONDS]")
+         "diverge:rank=R,step=N, memory:rank=R,free_mb=M, nan:rank=R,step=N[,steps=M] or chaos:faults=N,seed=S[,kinds=kill+hang+slow][,pace=SECONDS]")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Fault:
     delay: float = 0.0
     """slow only: seconds added to every step (factor multiplies the step's own time)."""
     steps: int = 0
-    """slow only: for this many steps from `step` (0: the whole run)."""
+    """slow: for this many steps from `step` (0: the whole run); nan: this many steps (0: one)."""
     free_mb: float = 0.0
     """memory only: the memory the rank is told it has free for its share's activations (MiB)."""
     chaos: int = -1
@@ -41,6 +41,8 @@ class Fault:
             return f"chaos#{self.chaos}:{self.kind}@step={self.step}{window}" + (",at=checkpoint" if self.at == "checkpoint" else "")
         if self.kind == "memory":
             return f"memory:rank={self.rank},free_mb={self.free_mb:g}"
+        if self.kind == "nan" and self.steps:
+            return f"nan:rank={self.rank},step={self.step},steps={self.steps}"
         if self.kind == "slow":
             window = f",step={self.step},steps={self.steps}" if self.steps else ""
             return f"slow:rank={self.rank},factor={self.factor:g}" + (f",delay={self.delay:g}" if self.delay else "") + window

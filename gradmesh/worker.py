@@ -19,6 +19,7 @@ from gradmesh.files import atomic_write
 from gradmesh.parallel import registry
 from gradmesh.parallel.registry import mesh_for
 from gradmesh.topology import local_device
+from gradmesh.loop.nonfinite import EXIT_NONFINITE, NonFiniteError
 from gradmesh.loop.trainer import Trainer, init
 
 
@@ -85,7 +86,12 @@ def train(cfg: configuration.Config) -> dict:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cfg = configuration.build([configuration.load_toml(argv[0])])
-    train(cfg)
+    try:
+        train(cfg)
+    except NonFiniteError:  # every rank stops here together; rank 0 has said why in one line
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_NONFINITE)
     # Leave without interpreter finalisation: process-group objects still referenced from
     # Python (FSDP modules, the device mesh, the checkpoint group) were seen to abort the
     # process in their C++ destructors at exit ("terminate called without an active

@@ -2,9 +2,11 @@
 flag -> config-key table, config resolution and the argument types that name their bad value."""
 
 import argparse
+import math
 from pathlib import Path
 
 from gradmesh import config as configuration
+from gradmesh.config.fault import AUTO_STEP_TIMEOUT
 from gradmesh.errors import UsageError
 from gradmesh.paths import checked
 
@@ -19,6 +21,7 @@ FLAG_KEYS = {
     "checkpoint_every": "checkpoint.every", "resume": "checkpoint.resume",
     "async_checkpoint": "checkpoint.async_save",
     "recovery": "fault.recovery", "max_restarts": "fault.max_restarts", "step_timeout": "fault.step_timeout",
+    "on_nonfinite": "fault.on_nonfinite",
     "inject": "fault.inject",
     "monitor_enabled": "monitor.enabled", "check_every": "monitor.check_every", "trace_steps": "monitor.trace_steps",
     "tensorboard": "monitor.tensorboard", "prometheus_port": "monitor.prometheus_port",
@@ -61,6 +64,42 @@ def bucket_type(text: str) -> float:
     if not 0 < value < 1e6:
         raise argparse.ArgumentTypeError(f"--bucket-mb must be a size in MiB > 0 (e.g. 25) or 'auto', got {text!r}")
     return value
+
+
+def timeout_type(text: str) -> float:
+    """--step-timeout: seconds >= 0 (0: off), or 'auto'."""
+    if text == "auto":
+        return AUTO_STEP_TIMEOUT
+    try:
+        value = number(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"--step-timeout must be 'auto', 0 (off) or seconds > 0, got {text!r}")
+    return value
+
+
+def add_failure_options(train: argparse.ArgumentParser) -> None:
+    faults = train.add_argument_group("failures")
+    faults.add_argument("--recovery", choices=configuration.RECOVERY,
+                        help="restart: every worker restarts from the latest checkpoint; inplace: the survivors "
+                             "go on from the current step (ddp and ps, one machine; under ps a lost server "
+                             "restarts every rank) (default none)")
+    faults.add_argument("--max-restarts", type=integer, metavar="K", help="restart: worker-group restarts allowed; inplace: replacement workers started for lost ones "
+                             "(ps: restarts after a lost server); rollback: rollbacks allowed (default 3)")
+    faults.add_argument("--step-timeout", type=timeout_type, metavar="SECONDS",
+                        help="declare a hang when a step makes no progress this long: stacks dumped, ranks named "
+                             "(ps: a worker holding a share this long); 'auto' (default): max(300 s, 20x the slowest "
+                             "step so far); 0: off")
+    faults.add_argument("--on-nonfinite", choices=configuration.NONFINITE,
+                        help="a NaN or infinite loss, gradient or push: stop (apply nothing, end the run with exit code "
+                             "4; default), skip (drop the step's update; stops after fault.max_skips in a row) or "
+                             "rollback (back to the last intact checkpoint, skipping that step's batch)")
+    faults.add_argument("--inject", action="append", metavar="FAULT",
+                        help="inject a fault (repeatable): kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, "
+                             "slow:rank=R,factor=F|delay=S, diverge:rank=R,step=N, memory:rank=R,free_mb=M, "
+                             "nan:rank=R,step=N[,steps=M]; or a soak of N seeded random "
+                             "kills, hangs and slow-downs: chaos:faults=N,seed=S[,kinds=kill+hang+slow][,pace=S]")
 
 
 def nproc_type(text: str) -> int:

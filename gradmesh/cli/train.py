@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 from gradmesh import config as configuration
-from gradmesh import rundir
+from gradmesh import env, rundir
+from gradmesh.config.fault import AUTO_TIMEOUT_CAP
 from gradmesh.runlock import RunLock
 from gradmesh.cli.memory import check_memory
-from gradmesh.cli.options import add_launch_options, bucket_type, integer, launch_shape, number, resolve_config
+from gradmesh.cli.options import add_failure_options, add_launch_options, bucket_type, integer, launch_shape, number, resolve_config
 from gradmesh.config.balance import parse_balance
 from gradmesh.config.compression import parse_compression
 from gradmesh.config.ps import check_ps_options_need_ps
@@ -26,6 +27,7 @@ from gradmesh.specs import check_memory_faults, check_ranks
 
 RESTART_CHECKPOINT_EVERY = 10
 INPLACE_COLLECTIVE_TIMEOUT = 10.0
+COLLECTIVE_MARGIN_S = 300.0
 
 
 def add_parser(subparsers) -> None:
@@ -35,7 +37,7 @@ def add_parser(subparsers) -> None:
     _add_what_options(train)
     _add_how_options(train)
     run = _add_run_options(train)
-    _add_failure_options(train)
+    add_failure_options(train)
     _add_monitoring_options(train)
     # Added after the monitoring options so that the usage line lists it where it always has.
     run.add_argument("--quiet", action="store_true", default=None, help="no progress bar or summary table")
@@ -92,23 +94,6 @@ def _add_run_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return run
 
 
-def _add_failure_options(train: argparse.ArgumentParser) -> None:
-    faults = train.add_argument_group("failures")
-    faults.add_argument("--recovery", choices=configuration.RECOVERY,
-                        help="restart: every worker restarts from the latest checkpoint; inplace: the survivors "
-                             "go on from the current step (ddp and ps, one machine; under ps a lost server "
-                             "restarts every rank) (default none)")
-    faults.add_argument("--max-restarts", type=integer, metavar="K", help="restart: worker-group restarts allowed; inplace: replacement workers started for lost ones "
-                             "(ps: restarts after a lost server) (default 3)")
-    faults.add_argument("--step-timeout", type=number, metavar="SECONDS",
-                        help="declare a hang when a step makes no progress this long: stacks dumped, ranks named "
-                             "(ps: a worker holding a share this long; default off)")
-    faults.add_argument("--inject", action="append", metavar="FAULT",
-                        help="inject a fault (repeatable): kill:rank=R,step=N[,at=checkpoint], hang:rank=R,step=N, "
-                             "slow:rank=R,factor=F|delay=S, diverge:rank=R,step=N, memory:rank=R,free_mb=M; or a soak of N seeded random "
-                             "kills, hangs and slow-downs: chaos:faults=N,seed=S[,kinds=kill+hang+slow][,pace=S]")
-
-
 def _add_monitoring_options(train: argparse.ArgumentParser) -> None:
     watch = train.add_argument_group("monitoring (see gradmesh monitor / gradmesh report)")
     watch.add_argument("--no-monitor", dest="monitor_enabled", action="store_false", default=None,
@@ -150,7 +135,7 @@ def check_train(cfg: configuration.Config, nproc: int, device: str = "cpu") -> P
     faults, chaos = parse_inject(cfg.fault.inject)
     check_ranks(faults, world)
     check_memory_faults(faults, cfg.train.balance)
-    check_chaos(chaos, cfg.train.max_steps, cfg.fault.recovery, cfg.fault.step_timeout)
+    check_chaos(chaos, cfg.train.max_steps, cfg.fault.recovery, cfg.fault.explicit_timeout)
     _check_recovery(cfg, plan)
     _check_trace(cfg)
     workloads.check_inputs(cfg)
@@ -282,15 +267,18 @@ def _start(cfg: configuration.Config, nproc: int, run_dir: Path) -> int:
 
     inplace = cfg.fault.recovery == "inplace"
     critical = registry.critical_ranks(cfg, nproc * cfg.launch.nnodes) if inplace else frozenset()
-    if (cfg.fault.recovery == "restart" or critical) and not cfg.checkpoint.every:
-        cfg.checkpoint.every = RESTART_CHECKPOINT_EVERY  # a restart must have something recent to resume
+    going_back = cfg.fault.recovery == "restart" or critical or cfg.fault.on_nonfinite == "rollback"
+    if going_back and not cfg.checkpoint.every:
+        cfg.checkpoint.every = RESTART_CHECKPOINT_EVERY  # a restart or rollback must have something recent to load
     if not cfg.checkpoint.resume:
         _start_fresh(run_dir, cfg.run.overwrite, cfg.run.quiet)
     config_path = run_dir / "config.toml"
     atomic_write(config_path, cfg.to_toml())
     restarts = cfg.fault.max_restarts if cfg.fault.recovery != "none" else 0
+    if not inplace and cfg.fault.explicit_timeout > AUTO_TIMEOUT_CAP:  # the step watchdog reports first
+        env.set_collective_timeout(cfg.fault.explicit_timeout + COLLECTIVE_MARGIN_S)
     return run_workers(cfg.launch, nproc, ["-m", "gradmesh.worker", str(config_path)], max_restarts=restarts,
-                       inplace=(cfg.fault.step_timeout or INPLACE_COLLECTIVE_TIMEOUT) if inplace else 0.0,
+                       inplace=(cfg.fault.explicit_timeout or INPLACE_COLLECTIVE_TIMEOUT) if inplace else 0.0,
                        critical=critical)
 
 

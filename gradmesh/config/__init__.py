@@ -7,6 +7,7 @@ launcher, before any worker starts. Nothing here imports torch or code above the
 """
 
 from gradmesh.config.layers import SECTIONS, all_keys, build, load_toml, parse_sets, section_fields
+from gradmesh.config.fault import NONFINITE
 from gradmesh.config.ps import PS_MODES, PSConfig
 from gradmesh.config.compression import COMPRESSIONS
 from gradmesh.config.sections import (DEVICES, OPTIMIZERS, PP_SCHEDULES, RECOVERY, CheckpointConfig, Config,
@@ -15,5 +16,5 @@ from gradmesh.config.sections import (DEVICES, OPTIMIZERS, PP_SCHEDULES, RECOVER
 from gradmesh.config.workload import MODELS
 
 __all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "CheckpointConfig", "FaultConfig", "MonitorConfig",
-           "LaunchConfig", "RunConfig", "PSConfig", "PS_MODES", "SECTIONS", "MODELS", "PP_SCHEDULES", "OPTIMIZERS", "COMPRESSIONS", "DEVICES", "RECOVERY",
+           "LaunchConfig", "RunConfig", "PSConfig", "PS_MODES", "SECTIONS", "MODELS", "PP_SCHEDULES", "OPTIMIZERS", "COMPRESSIONS", "DEVICES", "RECOVERY", "NONFINITE",
            "all_keys", "build", "load_toml", "parse_sets", "section_fields"]

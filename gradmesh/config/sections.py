@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 
 import tomli_w
 
-from gradmesh.chaos import parse_inject
 from gradmesh.config import checks as _checks
 from gradmesh.config.checks import finite as _finite
 from gradmesh.config.checks import one_of as _one_of
 from gradmesh.config.checks import positive as _positive
 from gradmesh.config.balance import parse_balance
 from gradmesh.config.compression import parse_compression
+from gradmesh.config.fault import RECOVERY, FaultConfig  # noqa: F401 (re-exported)
 from gradmesh.config.ps import PSConfig
 from gradmesh.config.workload import DataConfig, ModelConfig
 from gradmesh.errors import UsageError
@@ -127,33 +127,6 @@ class CheckpointConfig:
         _finite(self)
         _positive("checkpoint", "every", self.every, allow_zero=True)
         _positive("checkpoint", "keep", self.keep, allow_zero=True)
-
-
-RECOVERY = ("none", "restart", "inplace")
-
-
-@dataclass(kw_only=True)
-class FaultConfig:
-    """Surviving failures: detection, recovery, and injected faults for testing them."""
-
-    recovery: str = "none"
-    """none (a failure ends the run), restart (every worker restarts from the latest checkpoint) or
-    inplace (the survivors rebuild their group and go on from the current step; ddp, one machine)."""
-    max_restarts: int = 3
-    """recovery=restart: restarts of the worker group allowed before the run fails.
-    recovery=inplace: replacement workers started for lost ones (they join the running job)."""
-    step_timeout: float = 0.0
-    """Seconds a step may take before the run is declared hung (stacks dumped, ranks named); 0: off."""
-    inject: str = ""
-    """Faults to inject, ';'-separated: kill:rank=R,step=N[,at=checkpoint]  hang:rank=R,step=N
-    slow:rank=R,factor=F|delay=S  diverge:rank=R,step=N."""
-
-    def __post_init__(self):
-        _finite(self)
-        _one_of("fault", "recovery", self.recovery, RECOVERY)
-        _positive("fault", "max_restarts", self.max_restarts, allow_zero=True)
-        _positive("fault", "step_timeout", self.step_timeout, allow_zero=True)
-        parse_inject(self.inject)
 
 
 @dataclass(kw_only=True)

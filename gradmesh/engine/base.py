@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from gradmesh.config import TrainConfig
 from gradmesh.data import GlobalBatch
+from gradmesh.engine import nonfinite
+from gradmesh.engine.nonfinite import Finding
 from gradmesh.monitor.breakdown import NullClock
 from gradmesh.parallel.compose import apply_plan, gradient_sync
 from gradmesh.parallel.options import DEFAULT_BUCKET_MB, ApplyOptions
@@ -43,6 +45,10 @@ def _nothing(*args) -> None:
 
 def _unmeasured(samples: int):
     return nullcontext()
+
+
+def _unchanged(losses):
+    return losses
 
 
 @dataclass
@@ -63,6 +69,8 @@ class StepProbe:
     around_forward: Callable[[int], object] = _unmeasured
     """The context a micro-batch's forward pass of N samples runs in (0 after the first
     micro-batch): --balance's memory guard measures the activations saved for backward there."""
+    spoil: Callable = _unchanged
+    """Applied to the first micro-batch's per-sample losses (--inject nan makes them NaN there)."""
 
 
 @dataclass
@@ -79,6 +87,8 @@ class StepOutcome:
     """More columns for the step's metrics row (rank 0's are written), e.g. staleness."""
     detail: dict = field(default_factory=dict)
     """More about what this rank did, for its per-rank records (--record-samples)."""
+    nonfinite: Finding | None = None
+    """Set when the step's loss or gradients were not finite: its update was not applied."""
 
     @property
     def step(self) -> int:
@@ -157,6 +167,9 @@ class Engine:
     def step(self, batch: GlobalBatch, probe: StepProbe) -> StepOutcome:
         lr = self._set_lr(batch.step)
         loss_sum, counted, indices = self.forward_backward(batch, probe)
+        found = self.find_nonfinite(loss_sum, batch.step + 1)
+        if found is not None:  # no rank applies any of it, whatever the policy then does
+            return self._unapplied(batch, lr, loss_sum, counted, indices, found)
         with probe.clock.phase("optimizer"):
             if self.job.train.grad_clip:
                 self.clip(self.job.train.grad_clip)
@@ -168,6 +181,18 @@ class Engine:
         figures[0] = loss_sum.detach().to("cpu", torch.float64)
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(batch, lr, indices, figures)
+
+    def find_nonfinite(self, loss_sum: torch.Tensor, step: int) -> Finding | None:
+        """Collective: whether any rank's loss or gradient of this step is NaN or infinite."""
+        topo = self.topology
+        return nonfinite.check(self.model, loss_sum, topo.group("world"), topo.rank, topo.world_size, step)
+
+    def _unapplied(self, batch: GlobalBatch, lr: float, loss_sum, counted: int, indices: list[int],
+                   found: Finding) -> StepOutcome:
+        self.optimizer.zero_grad(set_to_none=True)
+        figures = torch.tensor([float(loss_sum.detach().sum()), counted, model_state_bytes(self.model, self.optimizer),
+                                peak_memory_bytes(self.topology.device)], dtype=torch.float64)
+        return StepOutcome(batch, lr, indices, figures, row={"skipped": "nonfinite"}, nonfinite=found)
 
     def forward_backward(self, batch: GlobalBatch, probe: StepProbe) -> tuple[torch.Tensor, int, list[int]]:
         """Gradients of this rank's share: (loss sum, samples counted, indices consumed)."""

@@ -1,5 +1,5 @@
 """Fault injection for testing recovery and monitoring: `--inject kill:rank=1,step=7` (and hang, slow, diverge,
-memory).
+memory, nan).
 
 Off unless asked for. Each kill or hang fires once per run, whatever the restarts: before it
 fires, the worker appends it to RUN_DIR/faults.jsonl, and a restarted worker skips what that
@@ -104,6 +104,15 @@ class Injector:
                 self._record(fault, step)
                 with torch.no_grad():
                     next(model.parameters()).view(-1)[0] += 1e-3
+
+    def spoil(self, losses):
+        """nan: this rank's losses turn NaN at its steps (logged once, as the run first meets it)."""
+        for fault in self.faults:
+            if fault.kind == "nan" and fault.step <= self.step < fault.step + max(fault.steps, 1):
+                if fault.label not in self._fired():
+                    self._record(fault, self.step)
+                return losses * float("nan")
+        return losses
 
     def slow_down(self, elapsed: float) -> float:
         """A straggler: `factor` times the step's own time (`elapsed`, measured without the

@@ -1,4 +1,6 @@
-"""Hang detection: a step that does not finish within `--step-timeout` seconds.
+"""Hang detection: a step that does not finish within `--step-timeout` seconds (by default `auto`:
+max(300 s, 20 x the slowest step so far), at most 25 minutes, below torch's own 30-minute
+collective timeout; the first step after a start is allowed the 25 minutes).
 
 torch's own collective timeouts default to 30 minutes and say nothing about who is missing.
 Here every rank publishes its progress (step, micro-batch, phase) to the job's c10d store as it
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from gradmesh import env
+from gradmesh.config.fault import AUTO_STEP_TIMEOUT, AUTO_TIMEOUT_CAP, AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_FLOOR
 from gradmesh.fault import inplace
 from gradmesh.files import open_append
 from gradmesh.topology import job_store
@@ -47,9 +50,13 @@ STAND_BY_LIMIT = 5
 
 class Watchdog:
     def __init__(self, timeout: float, rank: int, world_size: int, run_dir: Path | None, poll: float = 0.25):
-        self.timeout, self.rank, self.world_size, self.poll = timeout, rank, world_size, poll
+        """timeout: seconds, or AUTO_STEP_TIMEOUT (a limit that follows the slowest step so far)."""
+        self.auto = timeout == AUTO_STEP_TIMEOUT
+        self.timeout = AUTO_TIMEOUT_CAP if self.auto else timeout
+        self.rank, self.world_size, self.poll = rank, world_size, poll
+        self.slowest = 0.0
         self.run_dir = Path(run_dir) if run_dir else None
-        self.progress, self.moved = 0, time.monotonic()
+        self.progress, self.moved, self.published = 0, time.monotonic(), -1
         self.store, self.watch_store = job_store(timedelta(seconds=5)), job_store(timedelta(seconds=5))
         # Keys of one attempt: the store outlives a restart, and an old alarm must not fire again.
         self.prefix = f"gradmesh/watchdog/{env.restart_count()}/"
@@ -63,9 +70,23 @@ class Watchdog:
         self.thread.start()
 
     def beat(self, step: int, phase: int, micro: int = 0) -> None:
+        # The watching thread publishes it: a store round trip per phase cost the step itself.
         self.progress, self.moved = step * 10_000 + micro * 10 + phase, time.monotonic()
-        if self.store:
-            self.store.set(f"{self.prefix}progress/{self.rank}", str(self.progress))
+
+    def completed(self, seconds: float) -> None:
+        """A step took `seconds`: auto's limit is max(300 s, 20 x the slowest), within the cap."""
+        self.slowest = max(self.slowest, seconds)
+        if self.auto:
+            self.timeout = min(AUTO_TIMEOUT_CAP, max(AUTO_TIMEOUT_FLOOR, AUTO_TIMEOUT_FACTOR * self.slowest))
+
+    def _publish(self) -> None:
+        progress = self.progress
+        if self.watch_store and progress != self.published:
+            try:
+                self.watch_store.set(f"{self.prefix}progress/{self.rank}", str(progress))
+                self.published = progress
+            except Exception:  # the store went away with the job
+                pass
 
     def regrouping(self, step: int) -> None:
         """In-place recovery waits for the next group (it has a timeout of its own): published as
@@ -90,6 +111,7 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self.stopped.wait(self.poll):
+            self._publish()
             stalled = time.monotonic() - self.moved > self.timeout
             if self.inplace:  # no job-wide alarm: the survivors must stay
                 if stalled:
@@ -137,8 +159,9 @@ class Watchdog:
             behind = sorted(r for r in self.ranks if progress.get(r, -1) < ahead)
             named = ", ".join(f"rank {r} (at {describe(progress[r]) if r in progress else 'no step yet'})"
                               for r in behind) or "none: every rank is stuck at the same point"
+            setting = "--step-timeout auto: 20x the slowest step, at least 300 s" if self.auto else "--step-timeout"
             line = (f"gradmesh: hang detected by rank {self.rank}: no progress for {self.timeout:g} s "
-                    f"(--step-timeout) at {describe(self.progress)}; did not arrive: {named}; "
+                    f"({setting}) at {describe(self.progress)}; did not arrive: {named}; "
                     f"Python stacks of every rank in {self.run_dir}/stacks-rank*.txt")
             print(line, file=sys.stderr, flush=True)
             if self.run_dir:

@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from gradmesh import env, lifeline, stores
 from gradmesh.config import LaunchConfig
 from gradmesh.fault.watchdog import EXIT_HANG
+from gradmesh.errors import EXIT_NONFINITE
 from gradmesh.launch import network
 from gradmesh.topology import threads_per_worker
 
@@ -73,7 +74,8 @@ def _quiet_agent_warnings() -> None:
     each carry their own level, so the parent's level alone does not reach them."""
     for name, logger in list(logging.root.manager.loggerDict.items()):
         if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
-            logger.setLevel(logging.ERROR)
+            # Its "failed (exitcode: N)" error line, too: describe_failure says it (or the worker did).
+            logger.setLevel(logging.CRITICAL if name.endswith("multiprocessing.api") else logging.ERROR)
 
 
 def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restarts: int = 0,
@@ -105,6 +107,8 @@ def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restart
         with stores.loopback_servers() if single_machine(launch) else contextlib.nullcontext():
             torchrun.run(args)
     except ChildFailedError as err:
+        if "gradmesh.worker" in target and root_failure(err)[1].exitcode == EXIT_NONFINITE:
+            return EXIT_NONFINITE  # rank 0 has said which step, rank and values, in one line
         print(describe_failure(err, watched="gradmesh.worker" in target), file=sys.stderr, flush=True)
         return 1
     except SignalException as err:  # the agent has passed the signal on and reaped every worker

@@ -11,6 +11,7 @@ from gradmesh.chaos import parse_chaos
 from gradmesh.chaos import plan as plan_chaos
 from gradmesh.fault.inject import Injector, parse_faults
 from gradmesh.loop.checkpointing import Checkpointing
+from gradmesh.loop.nonfinite import NonFinitePolicy
 from gradmesh.loop.reporting import Evaluation, ReplicaCheck, Reporting
 from gradmesh.loop.services import FaultInjection, SampleRecorder, Service, WatchdogService
 from gradmesh.monitor.breakdown import NullClock
@@ -21,6 +22,7 @@ from gradmesh.monitor.monitor import Monitor
 class Services:
     reporting: Reporting
     checkpointing: Checkpointing
+    nonfinite: NonFinitePolicy
     recovery: Service | None = None
     faults: FaultInjection | None = None
     watchdog: WatchdogService | None = None
@@ -57,9 +59,12 @@ def services(trainer, faults: FaultConfig) -> Services:
     reporting = Reporting(ctx, trainer.monitor, train.log_every, train.max_steps, session.membership)
     checkpointing = Checkpointing(ctx, trainer.checkpointing, trainer.sampler, reporting, trainer.run_info,
                                   on_written=injector.at_checkpoint, in_place=session.membership is not None)
-    found = Services(reporting, checkpointing, faults=FaultInjection(ctx, injector))
+    policy = faults.on_nonfinite if ctx.run_dir or faults.on_nonfinite != "rollback" else "stop"  # nothing to go back to
+    nonfinite = NonFinitePolicy(ctx, reporting, policy, faults.max_skips, faults.max_restarts, train)
+    checkpointing.policy = nonfinite
+    found = Services(reporting, checkpointing, nonfinite, faults=FaultInjection(ctx, injector))
     found.faults.work = lambda: reporting.busy_s
-    if faults.step_timeout and trainer.engine.lockstep:  # other engines time each share themselves
+    if faults.step_timeout != 0 and trainer.engine.lockstep:  # other engines time each share themselves
         from gradmesh.fault.watchdog import Watchdog
 
         watchdog = Watchdog(faults.step_timeout, session.identity, trainer.topo.world_size, trainer.run_dir)
@@ -76,7 +81,7 @@ def services(trainer, faults: FaultConfig) -> Services:
         checks.append(ReplicaCheck(ctx, reporting, trainer.monitor.config.check_every))
     recorder = [SampleRecorder(ctx)] if train.record_samples else []
     checks = _tuning(trainer, reporting, injector) + checks
-    found.all = [s for s in (found.watchdog, found.faults, reporting, found.recovery) if s] + recorder + checks
+    found.all = [s for s in (found.watchdog, found.faults, reporting, nonfinite, found.recovery) if s] + recorder + checks
     if found.recovery:
         found.recovery.services = [s for s in found.all if s is not found.recovery]
     return found
@@ -102,7 +107,8 @@ def _tuning(trainer, reporting: Reporting, injector: Injector) -> list[Service]:
 
 def probe(mon: Monitor, found: Services) -> StepProbe:
     beat = found.watchdog.beat if found.watchdog else StepProbe().beat
-    made = StepProbe(mon.clock or NullClock(), beat, found.faults.slow_down, found.faults.straggle, found.faults.reached)
+    made = StepProbe(mon.clock or NullClock(), beat, found.faults.slow_down, found.faults.straggle, found.faults.reached,
+                     spoil=found.faults.injector.spoil)
     for service in found.all:
         made.around_forward = getattr(service, "around_forward", made.around_forward)  # --balance's memory guard
     return made

@@ -20,6 +20,8 @@ class Checkpointing(Service):
         self.run_info, self.on_written = run_info, on_written
         self.in_place = in_place
         """In-place recovery: a worker lost mid-write abandons that checkpoint, not the run."""
+        self.policy = None
+        """--on-nonfinite's service: the batches it skips travel in the checkpoint's state."""
         self.checkpointer = self._checkpointer()
 
     def _checkpointer(self) -> checkpoint.Checkpointer | None:
@@ -45,7 +47,7 @@ class Checkpointing(Service):
         self.reporting.reporter.flush()  # the metrics of every step the checkpoint covers are on disk with it
         topo = self.ctx.topology
         state = {"step": step, "sampler": self.sampler.state_dict(), "world_size": topo.world_size,
-                 "strategy": self.ctx.engine.plan.label, "run": self.run_info}
+                 "strategy": self.ctx.engine.plan.label, "run": self.run_info, **self.policy.state()}
         with self.reporting.monitor.timed("checkpoint", step):  # checkpoint I/O, outside the step's phases
             try:
                 self.checkpointer.save(step, self.ctx.engine, state)
@@ -65,7 +67,17 @@ class Checkpointing(Service):
         if self.checkpointer:
             self.checkpointer.wait()
 
-    def restore(self, restarted: bool) -> int:
+    def start(self, first_step: int) -> None:
+        """--on-nonfinite rollback before the first checkpoint goes back to the initial weights."""
+        if self.policy.policy == "rollback" and first_step == 0:
+            self.save(0)
+
+    def roll_back(self) -> int:
+        """Collective: every rank reloads the newest intact checkpoint; the step it holds."""
+        self.reporting.reporter.flush()
+        return self.restore(True, keep_alerts=True)
+
+    def restore(self, restarted: bool, keep_alerts: bool = False) -> int:
         """Collective: load the newest intact checkpoint when resuming or restarted; the step it holds."""
         if not ((self.config.resume or restarted) and self.checkpointer):
             return 0
@@ -76,21 +88,23 @@ class Checkpointing(Service):
             chosen[0] = int(path.name.split("-")[1]) if path else -1
         dist.broadcast(chosen, src=0, group=self.checkpointer.group)
         if chosen.item() < 0 and restarted and not self.config.resume:
-            self._forget_steps_after(0)  # failed before its first checkpoint: start again
+            self._forget_steps_after(0, keep_alerts)  # failed before its first checkpoint: start again
             return 0
         if chosen.item() < 0:
             raise checkpoint.CheckpointError(f"--resume: no intact checkpoint under {self.ctx.run_dir / 'checkpoints'}")
         path = checkpoint.checkpoint_root(self.ctx.run_dir) / f"step-{chosen.item()}"
         state = self.checkpointer.load(path, self.ctx.engine)
         self.sampler.load_state_dict(state["sampler"])
-        self._forget_steps_after(state["step"])
+        self.policy.load(state)
+        self._forget_steps_after(state["step"], keep_alerts)
         self.reporting.note(f"resumed from {path} (step {state['step']}, written by {state.get('strategy')} "
                             f"at world size {state.get('world_size')})")
         return state["step"]
 
-    def _forget_steps_after(self, step: int) -> None:
-        """Records of steps after the checkpoint go: the resumed run does them again, once."""
+    def _forget_steps_after(self, step: int, keep_alerts: bool = False) -> None:
+        """Records of steps after the checkpoint go: the resumed run does them again, once (a
+        rollback keeps its alerts: they say why the steps are done again)."""
         run_dir, me = self.ctx.run_dir, self.ctx.identity
-        shared = ["metrics.jsonl", "alerts.jsonl"] if self.ctx.is_main else []
+        shared = ["metrics.jsonl"] + ([] if keep_alerts else ["alerts.jsonl"]) if self.ctx.is_main else []
         for name in shared + [f"samples-rank{me}.jsonl", f"steps-rank{me}.jsonl"]:
             rundir.truncate_steps(run_dir / name, step)

@@ -143,6 +143,7 @@ class WatchdogService(Service):
 
     def after_step(self, outcome: StepOutcome, elapsed: float) -> None:
         self.watchdog.pause()
+        self.watchdog.completed(elapsed)
 
     def regrouping(self) -> None:
         self.watchdog.regrouping(self.step)

@@ -25,10 +25,11 @@ from gradmesh.comm import build_reducer
 from gradmesh.comm.compress import reducer_for
 from gradmesh.config import CheckpointConfig, FaultConfig, MonitorConfig, PSConfig, TrainConfig
 from gradmesh.data import GlobalOrderSampler
-from gradmesh.engine import Job, build_engine
+from gradmesh.engine import Job, build_engine, lr_factor
 from gradmesh.errors import UsageError
 from gradmesh.loop import build
 from gradmesh.loop.finish import finish_run
+from gradmesh.loop.nonfinite import NonFiniteError, RollBack
 from gradmesh.loop.session import Session, init
 from gradmesh.loop.services import RunContext, largest
 from gradmesh.monitor.progress import print_summary
@@ -103,15 +104,26 @@ class Trainer:
         return self.summary
 
     def _run_in_lockstep(self, start_step: int) -> None:
-        for step in range(start_step + 1, self.train.max_steps + 1):
+        step, policy = start_step, self.services.nonfinite
+        while step < self.train.max_steps:
+            step += 1
             for service in self.services.all:
                 service.before_step(step)
             batch = self.sampler.next_global()
             tic = time.perf_counter()
-            outcome = self.stepper.step(batch, self.probe)
+            if step in policy.batches_to_skip:
+                lr = self.train.lr * lr_factor(batch.step, self.train)
+                outcome = policy.skipped_outcome(batch, lr, torch.zeros(4, dtype=torch.float64))
+            else:
+                outcome = self.stepper.step(batch, self.probe)
             elapsed = time.perf_counter() - tic
-            for service in self.services.all:
-                service.after_step(outcome, elapsed)
+            try:
+                for service in self.services.all:
+                    service.after_step(outcome, elapsed)
+            except RollBack:
+                step = self.services.checkpointing.roll_back()
+                self.services.reporting.samples = self.samples_before(step)
+                policy.rolled_back(step)
 
     def _run_in_segments(self, start_step: int) -> None:
         """An engine whose ranks do not step together runs a segment of steps at a time; the
@@ -170,4 +182,4 @@ class Trainer:
             print_summary(self.summary, sample)
 
 
-__all__ = ["Trainer", "Session", "init", "optimizer_spec", "UsageError"]
+__all__ = ["Trainer", "Session", "init", "optimizer_spec", "UsageError", "NonFiniteError"]

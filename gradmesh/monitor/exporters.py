@@ -17,7 +17,7 @@ class TensorBoardExporter:
     def write(self, row: dict) -> None:
         step = row["step"]
         for key in ("loss", "lr", "samples_per_s", "step_time_s", "imbalance"):
-            if key in row:
+            if row.get(key) is not None:
                 self.writer.add_scalar(f"train/{key}", row[key], step)
         for phase, per_rank in row.get("breakdown", {}).items():
             self.writer.add_scalars(f"breakdown/{phase}", {f"rank{r}": v for r, v in enumerate(per_rank)}, step)
@@ -47,7 +47,8 @@ class PrometheusExporter:
 
     def write(self, row: dict) -> None:
         self.step.set(row["step"])
-        self.loss.set(row["loss"])
+        if row["loss"] is not None:  # a step without a finite loss keeps the last one shown
+            self.loss.set(row["loss"])
         self.throughput.set(row["samples_per_s"])
         self.imbalance.set(row.get("imbalance", 0.0))
         for phase, per_rank in row.get("breakdown", {}).items():

@@ -30,9 +30,10 @@ class TrainingProgress:
             self._task = self._bar.add_task("train", total=total, completed=start, loss="-", rate="-")
             self._bar.start()
 
-    def update(self, step: int, loss: float, samples_per_s: float) -> None:
+    def update(self, step: int, loss: float | None, samples_per_s: float) -> None:
         if not self.enabled:
             return
+        loss = float("nan") if loss is None else loss
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", rate=f"{samples_per_s:,.0f}")
         elif step >= self._next_line or step == self.total:

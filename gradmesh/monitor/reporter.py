@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gradmesh.files import open_append
+from gradmesh.engine.nonfinite import finite_number
 from gradmesh.monitor import breakdown
 
 BASE = ("loss_sum", "loss_samples", "model_state_bytes", "peak_memory_bytes")
@@ -144,7 +145,7 @@ class StepReporter:
         # its samples as often, and pipeline stages before the last count neither.
         counted = figures[:, 1].sum().item()
         row = {"step": record.step, "epoch": record.epoch,
-               "loss": figures[:, 0].sum().item() / counted if counted else float("nan"),
+               "loss": finite_number(figures[:, 0].sum().item() / counted) if counted else None,
                "lr": record.lr, "samples": record.samples, "step_time_s": record.elapsed,
                "samples_per_s": record.size / record.elapsed, "time": record.finished,
                "model_state_bytes": [int(b) for b in figures[:, 2]],
