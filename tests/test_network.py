@@ -2,11 +2,12 @@
 listening sockets of real jobs are checked in test_signals.py, test_dashboard.py and
 test_run_and_api.py."""
 
+import socket
+
 import pytest
 import torch.distributed as dist
 
 from gradmesh.fault.inplace import BadStoreValue, members_of, publish_members, whole
-from gradmesh.monitor.dashboard import host_accepted
 from gradmesh.stores import LoopbackTCPStore, loopback_store
 from helpers import listening_sockets
 
@@ -38,9 +39,25 @@ def test_members_read_from_the_store_are_checked_before_use():
             members_of(store, generation)
 
 
-@pytest.mark.parametrize("host, accepted", [
-    ("127.0.0.1:8265", True), ("localhost:8265", True), ("[::1]:8265", True), ("10.1.2.3", True),
-    (None, True), ("attacker.example:8265", False), ("127.0.0.1.nip.io", False),
+MACHINE = socket.gethostname()
+LOOPBACK_OK = ["127.0.0.1:8265", "localhost:9000", "[::1]:8265", "[0:0::1]", "127.0.0.2", "LocalHost.", None]
+FOREIGN = ["attacker.example:8265", "127.0.0.1.nip.io", "localhost.attacker.example"]
+MALFORMED = ["[", "[::1", "[zz]:80", "a:b:c", "localhost:99999", "127.0.0.1, evil.example", "h\u00e9te", ""]
+
+
+@pytest.mark.parametrize("bound, accepted, refused", [
+    # Loopback: localhost and loopback addresses only (any port: ssh -L forwarding changes it).
+    ("127.0.0.1", LOOPBACK_OK, FOREIGN + ["10.1.2.3"] + [MACHINE] * (MACHINE.lower() != "localhost")),
+    ("::1", LOOPBACK_OK, FOREIGN + ["10.1.2.3"]),
+    # Chosen by the user for the network: also any address (NAT changes it) and this machine's name.
+    ("0.0.0.0", LOOPBACK_OK + ["10.1.2.3:8265", "[2001:db8::1]", MACHINE], FOREIGN),
+    ("10.0.0.5", LOOPBACK_OK + ["10.0.0.5:8265", "34.1.2.3"], FOREIGN),
+    ("dash.example.org", LOOPBACK_OK + ["Dash.Example.Org:8265", "10.1.2.3"], FOREIGN),
 ])
-def test_the_dashboard_accepts_only_this_machines_names(host, accepted):
-    assert host_accepted(host) is accepted
+def test_listeners_answer_only_their_own_host_names(bound, accepted, refused):
+    from gradmesh.monitor.listener import HostCheck
+
+    check = HostCheck(bound)
+    assert [host for host in accepted if check.refusal(host)] == []
+    assert [check.refusal(host)[0] for host in refused] == [403] * len(refused)
+    assert [check.refusal(host)[0] for host in MALFORMED] == [400] * len(MALFORMED)

@@ -14,8 +14,8 @@ def add_parser(subparsers) -> None:
     monitor.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a gradmesh train run")
     monitor.add_argument("--port", type=port_type, default=8265, metavar="P", help="port to listen on (default 8265)")
     monitor.add_argument("--host", default="127.0.0.1", metavar="H",
-                         help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 exposes the "
-                              "dashboard to the network)")
+                         help="address to listen on (default 127.0.0.1, this machine only; ::1 for IPv6; 0.0.0.0 "
+                              "exposes the dashboard to the network)")
     report = subparsers.add_parser("report", help="write a static HTML report with plots of a run directory",
                                    description="Write RUN_DIR/report.html with PNG plots in RUN_DIR/report/: loss, throughput, "
                                                "step-time breakdown and memory per rank, a summary table and the alerts. "
@@ -25,12 +25,13 @@ def add_parser(subparsers) -> None:
 
 def cmd_monitor(args: argparse.Namespace) -> int:
     from gradmesh.monitor.dashboard import serve
+    from gradmesh.monitor.listener import is_loopback
 
     run_dir = existing_run_dir(args.run_dir)
 
     def ready(url: str) -> None:
         # Warned only once listening: a host or port it cannot listen on stays a one-line error.
-        if args.host not in ("127.0.0.1", "localhost", "::1"):
+        if not is_loopback(args.host):
             print(f"gradmesh monitor: warning: --host {args.host} lets anyone who can reach this machine read the "
                   "dashboard (no authentication); the default 127.0.0.1 keeps it to this machine", file=sys.stderr, flush=True)
         print(f"gradmesh monitor: {run_dir} at {url} (Ctrl-C to stop)", flush=True)

@@ -1,7 +1,7 @@
 """`gradmesh monitor`: a live web dashboard of one run directory.
 
-The standard library's ThreadingHTTPServer is enough: one page, plotly.js and one JSON route,
-read by one person's browser. The page polls `/api/rows?after=N` every second and appends
+The standard library's http.server is enough: one page, plotly.js and one JSON route, read by
+one person's browser (listener.py adds the Host check, the thread cap, the idle timeout and IPv6). The page polls `/api/rows?after=N` every second and appends
 what is new, so a finished run loads at once and a running one updates as rank 0 writes.
 plotly.js is served from the installed `plotly` package: the machines training runs on often
 have no route to a CDN.
@@ -18,21 +18,21 @@ At most MAX_ROWS rows go in one answer; the page asks again at once while it has
 """
 
 import importlib.util
-import ipaddress
 import json
 import math
-import socket
+import re
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 from gradmesh.errors import UsageError
 from gradmesh.files import read_jsonl
-from gradmesh.monitor import runfiles
+from gradmesh.monitor import listener, runfiles
 
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
 MAX_ROWS = 5000
+ROW_INDEX = re.compile(r"[0-9]{1,12}")  # ASCII digits: str.isdigit() also takes "²", which int() refuses
 
 
 def plotly_js() -> bytes:
@@ -72,44 +72,31 @@ def _finite(value):
     return value
 
 
-LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
-
-
-def host_accepted(header: str | None) -> bool:
-    """The Host header names this machine: an IP address, localhost or its own host name.
-
-    A web page elsewhere can point a domain of its own at 127.0.0.1 (DNS rebinding) and read the
-    dashboard through the visitor's browser; its requests carry that domain as Host."""
-    if header is None:
-        return True  # HTTP/1.0 clients (curl -0, scripts); a browser always sends one
-    name = urlsplit(f"//{header}").hostname or ""
-    try:
-        ipaddress.ip_address(name)
-        return True
-    except ValueError:
-        return name in LOOPBACK_NAMES or name in {socket.gethostname().lower(), socket.getfqdn().lower()}
-
-
-def make_handler(state: RunState, page: bytes, script: bytes) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+def make_handler(state: RunState, page: bytes, script: bytes, hosts: listener.HostCheck) -> type[BaseHTTPRequestHandler]:
+    class Handler(listener.OneLineErrors):
         def do_GET(self):
-            if not host_accepted(self.headers.get("Host")):
-                self.send_error(HTTPStatus.FORBIDDEN, "Host header not accepted; use this machine's address or name")
+            hosts_sent = self.headers.get_all("Host")
+            refused = hosts.refusal(",".join(hosts_sent) if hosts_sent else None)  # two Host headers: malformed
+            if refused:
+                self.send_error(*refused)
                 return
-            url = urlsplit(self.path)
-            if url.path in ("/", "/index.html"):
+            if not self.path.startswith("/"):  # e.g. "http://[", on which urlsplit would raise
+                self.send_error(HTTPStatus.BAD_REQUEST, f"the request target must be a path, got {self.path!r}")
+                return
+            path, _, query = self.path.partition("?")
+            if path in ("/", "/index.html"):
                 self._send(page, "text/html; charset=utf-8", cache=False)
-            elif url.path == "/static/plotly.min.js":
+            elif path == "/static/plotly.min.js":
                 self._send(script, "text/javascript; charset=utf-8", cache=True)
-            elif url.path == "/api/rows":
-                after = parse_qs(url.query).get("after", ["0"])[0]
-                if not after.isdigit():
+            elif path == "/api/rows":
+                after = parse_qs(query).get("after", ["0"])[0]
+                if not ROW_INDEX.fullmatch(after):
                     self.send_error(HTTPStatus.BAD_REQUEST, f"after must be a row index >= 0, got {after!r}")
                     return
                 body = json.dumps(_finite(state.rows_after(int(after))), allow_nan=False, default=str)
                 self._send(body.encode(), "application/json", cache=False)
             else:
-                self.send_error(HTTPStatus.NOT_FOUND)
+                self.send_error(HTTPStatus.NOT_FOUND, f"no page {path!r}; the dashboard is at /")
 
         def _send(self, body: bytes, kind: str, cache: bool) -> None:
             self.send_response(HTTPStatus.OK)
@@ -119,23 +106,18 @@ def make_handler(state: RunState, page: bytes, script: bytes) -> type[BaseHTTPRe
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format, *args):
-            pass  # one line per poll each second would bury the URL the user needs
-
     return Handler
 
 
-def make_server(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8265) -> ThreadingHTTPServer:
+def make_server(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8265) -> HTTPServer:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"run dir {str(run_dir)!r} does not exist; give the --run-dir of a gradmesh train run")
-    handler = make_handler(RunState(run_dir), PAGE.read_bytes(), plotly_js())
+    handler = make_handler(RunState(run_dir), PAGE.read_bytes(), plotly_js(), listener.HostCheck(host))
     try:
-        server = ThreadingHTTPServer((host, port), handler)
-    except OSError as exc:
+        return listener.HTTP(host, port, handler)
+    except OSError as exc:  # socket.gaierror too: a --host that names no address
         raise UsageError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port or --host") from None
-    server.daemon_threads = True
-    return server
 
 
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8265, on_ready=None) -> None:
@@ -143,8 +125,7 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8265, on_rea
     server = make_server(run_dir, host, port)
     with server:
         if on_ready:
-            bound_host, bound_port = server.server_address[:2]
-            on_ready(f"http://{bound_host}:{bound_port}/")
+            on_ready(listener.url(server))
         try:
             server.serve_forever(poll_interval=0.5)
         except KeyboardInterrupt:

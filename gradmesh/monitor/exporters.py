@@ -29,10 +29,13 @@ class TensorBoardExporter:
 
 
 class PrometheusExporter:
-    """http://127.0.0.1:PORT/metrics (prometheus-client's server; bound to loopback only)."""
+    """http://127.0.0.1:PORT/metrics: prometheus-client's WSGI app, served by listener.py (loopback
+    only, Host checked, threads capped) rather than its start_http_server, which does neither."""
 
     def __init__(self, port: int, host: str = "127.0.0.1"):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
+
+        from gradmesh.monitor import listener
 
         self.registry = CollectorRegistry()
         gauge = lambda name, doc, labels=(): Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
@@ -43,7 +46,7 @@ class PrometheusExporter:
         self.phase = gauge("gradmesh_phase_seconds", "seconds of the last step in each phase", ("rank", "phase"))
         self.memory = gauge("gradmesh_peak_memory_bytes", "peak memory of each rank", ("rank",))
         self.alerts = Counter("gradmesh_alerts", "straggler and divergence alerts", ("kind",), registry=self.registry)
-        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+        self.server, self.thread = listener.serve_wsgi(make_wsgi_app(self.registry), host, port)
 
     def write(self, row: dict) -> None:
         self.step.set(row["step"])
@@ -62,3 +65,4 @@ class PrometheusExporter:
 
     def close(self) -> None:
         self.server.shutdown()
+        self.server.server_close()
