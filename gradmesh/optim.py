@@ -8,10 +8,12 @@ to it and still match single-process training. torch's Adagrad keeps one accumul
 and has no row-wise form, so the few lines of it are here.
 
 `with_rowwise_tables(base)` is a subclass of torch's optimizer class `base` (AdamW, SGD): the
-parameters whose shape is one of `table_shapes` are updated row-wise at `table_lr` (times the
+weights of `tables`, the embedding modules the model declares sparse (`model.sparse_tables()`,
+read by `gradmesh.parallel.ps.sparse_tables`), are updated row-wise at `table_lr` (times the
 run's learning-rate schedule) with no weight decay, the others by `base` as usual, in the same
-param groups. Tables are told apart by their (global) shape because wrappers such as FSDP2
-replace the parameter objects.
+param groups. The modules are given, not their weights, and each module's weight is read when
+the optimizer is made: wrappers such as FSDP2 replace a module's parameter objects before then,
+and a dense layer that happens to share a table's shape must not train row-wise.
 """
 
 import torch
@@ -27,15 +29,16 @@ def rowwise_adagrad(param: torch.Tensor, grad: torch.Tensor, accumulator: torch.
 
 def with_rowwise_tables(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     class RowwiseTables(base):
-        def __init__(self, params, *, table_shapes, table_lr: float, **kwargs):
+        def __init__(self, params, *, tables, table_lr: float, **kwargs):
             super().__init__(params, **kwargs)
-            self.table_shapes = {tuple(shape) for shape in table_shapes}
+            self.table_weights = [table.weight for table in tables]  # held: their ids stay theirs
+            self.table_ids = {id(weight) for weight in self.table_weights}
             for group in self.param_groups:  # groups stay as given (ZeRO matches them one to one)
                 group.setdefault("table_lr", table_lr)
                 group.setdefault("first_lr", group["lr"])
 
         def _is_table(self, param: torch.Tensor) -> bool:
-            return tuple(param.shape) in self.table_shapes
+            return id(param) in self.table_ids
 
         @torch.no_grad()
         def step(self, closure=None):

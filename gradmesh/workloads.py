@@ -150,10 +150,11 @@ def recsys_optimizer(cfg: Config, model: dlrm.DLRM) -> tuple[type, dict]:
     """`train.optimizer` for the dense layers, row-wise Adagrad at `train.table_lr` for the tables."""
     from gradmesh.loop.trainer import optimizer_spec
     from gradmesh.optim import with_rowwise_tables
+    from gradmesh.parallel.ps import sparse_tables
 
     base, kwargs = optimizer_spec(cfg.train)
-    shapes = [tuple(table.weight.shape) for table in model.tables]
-    return with_rowwise_tables(base), {**kwargs, "table_shapes": shapes, "table_lr": cfg.train.table_lr}
+    tables = [table for _, table in sparse_tables(model)]
+    return with_rowwise_tables(base), {**kwargs, "tables": tables, "table_lr": cfg.train.table_lr}
 
 
 BUILDERS = {"gpt-char": gpt_char, "mlp-digits": mlp_digits, "recsys": recsys}

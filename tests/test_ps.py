@@ -140,7 +140,7 @@ def test_a_message_header_round_trips_integers_and_floats():
     from gradmesh.comm.ps_wire import Kind, Message
 
     message = Message(Kind.COMMIT, clock=7, chunk=1, version=5, samples=16, bucket=3, loss=12.5, norm_sq=1e-9)
-    assert Message.decode(message.encode()) == message
+    assert Message.decode(message.encode(), 0) == message
 
 
 @pytest.mark.parametrize("static", [True, False])

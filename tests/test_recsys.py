@@ -43,7 +43,7 @@ def test_tables_train_row_wise_and_the_rest_with_torchs_own_optimizer():
     table, dense = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1)
     reference = torch.nn.Linear(4, 1)
     reference.load_state_dict(dense.state_dict())
-    optimizer = with_rowwise_tables(torch.optim.AdamW)([table.weight, *dense.parameters()], table_shapes=[(10, 4)],
+    optimizer = with_rowwise_tables(torch.optim.AdamW)([table.weight, *dense.parameters()], tables=[table],
                                                        table_lr=0.1, lr=1e-2)
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     start, accumulator = table.weight.detach().clone(), torch.zeros(10)

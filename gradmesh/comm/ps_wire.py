@@ -7,6 +7,11 @@ source, then, for pushes and parameters, a payload that is a range of a pre-allo
 buffer, on the job's group (gloo on CPU, NCCL on GPU, where only named sources exist, which is
 why the header travels apart). Between two ranks messages arrive in the order sent, so a
 payload always follows its header. Nothing is pickled.
+
+A header is checked where it is received, before anything acts on it: here its kind and the
+fields no message may have negative (`Message.decode`), by the receiver the fields it acts on
+(`gradmesh.engine.ps.accept` on a server; the worker checks its answers). A header that fails
+is a `WireError`, one line naming the sender's rank and the field, which ends that rank with it.
 """
 
 import threading
@@ -17,6 +22,9 @@ import torch
 import torch.distributed as dist
 
 HEADER = 9
+COUNTS = ("clock", "chunk", "samples", "bucket", "oldest")
+"""Fields that count or index something: negative in no message (`version` may be: a pull for
+step c under ssp:K asks for at least c - K)."""
 
 
 class Kind(IntEnum):
@@ -59,6 +67,17 @@ worker may ask for its next share early (static dispatch) and still read its pul
 which the dispatcher may send after that TASK, first."""
 
 
+class WireError(Exception):
+    """A header its receiver cannot act on. Not a RuntimeError: those are a peer that died in the
+    middle of a message, which the engine survives by going on without it; this ends the job."""
+
+    def __init__(self, sender: int, kind: "Kind | None", field: str, value, accepted: str):
+        what = f"a {kind.name} message" if kind is not None else "a message"
+        value = value.name if isinstance(value, Kind) else value
+        super().__init__(f"parameter-server wire: rank {sender} sent {what} with {field}={value}, which is "
+                         f"not accepted here (accepted: {accepted})")
+
+
 @dataclass(frozen=True)
 class Message:
     kind: Kind
@@ -81,10 +100,28 @@ class Message:
         return head
 
     @classmethod
-    def decode(cls, head: torch.Tensor) -> "Message":
+    def decode(cls, head: torch.Tensor, sender: int) -> "Message":
+        """The message in a received header from rank `sender`; WireError: an unknown kind, a
+        negative count or index, a negative squared norm (a NaN one is let through)."""
         whole = head[:7].tolist()
         loss, norm_sq = head[7:].view(torch.float64).tolist()
-        return cls(Kind(whole[0]), *whole[1:], loss=loss, norm_sq=norm_sq)
+        if whole[0] not in Kind._value2member_map_:
+            raise WireError(sender, None, "kind", whole[0], f"{min(Kind)}..{max(Kind)}")
+        message = cls(Kind(whole[0]), *whole[1:], loss=loss, norm_sq=norm_sq)
+        for name in COUNTS:
+            message.check(sender, name, getattr(message, name) >= 0, "0 or more")
+        message.check(sender, "norm_sq", not norm_sq < 0, "0 or more")
+        return message
+
+    def check(self, sender: int, field: str, accepted: bool, what: str) -> None:
+        """WireError naming `field` unless `accepted` (`what`: the values that would be)."""
+        if not accepted:
+            raise WireError(sender, self.kind, field, getattr(self, field), what)
+
+    def expect(self, sender: int, *kinds: Kind) -> "Message":
+        """This message, if it is of one of `kinds` (what the receiver waits for); else WireError."""
+        self.check(sender, "kind", self.kind in kinds, " or ".join(kind.name for kind in kinds))
+        return self
 
 
 class Wire:
@@ -137,12 +174,13 @@ class Wire:
         self.incoming = None
         if errors:
             raise errors[0]
-        return work._source_rank(), Message.decode(head)
+        source = work._source_rank()
+        return source, Message.decode(head, source)
 
     def receive_from(self, source: int) -> Message:
         inbox = torch.zeros(HEADER, dtype=torch.int64)
         dist.recv(inbox, source, group=self.header_group)
-        return Message.decode(inbox)
+        return Message.decode(inbox, source)
 
     def expect(self, source: int, answer: bool = False) -> tuple[torch.Tensor, object]:
         """Post a receive of the next header from `source` (`answer`: TASK or DONE): (buffer, work).

@@ -20,9 +20,6 @@ CHUNK = 1 << 16
 
 
 class DLRM(nn.Module):
-    sparse = True
-    """Its embedding tables train sparse: a batch touches a few of their rows (row-wise optimizer)."""
-
     def __init__(self, rows: tuple[int, ...], dim: int, dense: int, hidden: int, materialize: bool = True):
         """`materialize` False: the tables stay on the meta device (no memory) until
         `materialize_tables`; whoever holds rows of them gets their initial values from `init_rows`."""
@@ -58,6 +55,12 @@ class DLRM(nn.Module):
         for t, table in enumerate(self.tables):
             if table.weight.is_meta:
                 table.weight = nn.Parameter(self.init_rows(t, 0, table.num_embeddings))
+
+    def sparse_tables(self) -> list[nn.Embedding]:
+        """The tables that train sparse: a batch touches a few of their rows, so they train
+        row-wise (one optimizer accumulator per row) and a parameter server moves only the rows a
+        batch looks up. Every other parameter is dense. In the order `lookups` gives their ids."""
+        return list(self.tables)
 
     def lookups(self, dense: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
         """The ids each table (in `self.tables` order) looks up in `forward(dense, ids)`: what a

@@ -138,13 +138,23 @@ def _balanced(rows: Rows, servers: int) -> list[int]:
 
 
 def sparse_tables(model: nn.Module) -> list[tuple[str, nn.Embedding]]:
-    """The embedding tables of a model whose tables train sparse (`model.sparse`): the servers
-    hold them row-sharded and workers move only the rows a batch touches; [] for other models.
-    Such a model also says which ids each table will look up (`model.lookups(*inputs)`, in
-    named_modules order), so a worker fetches every table's rows before the forward."""
-    if not getattr(model, "sparse", False):
+    """(name, module) of each embedding table the model declares sparse (`model.sparse_tables()`,
+    plain model data: models do not import gradmesh); [] for a model that declares none. Those
+    train row-wise (`gradmesh.optim`); under the parameter-server strategies the servers hold
+    them row-sharded and workers move only the rows a batch touches. Such a model also says which
+    ids each table will look up (`model.lookups(*inputs)`, one tensor per table in the declared
+    order), so a worker fetches every table's rows before the forward. Never guessed from shapes:
+    a dense layer may share a table's shape."""
+    declared = getattr(model, "sparse_tables", None)
+    if declared is None:
         return []
-    return [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Embedding)]
+    names = {id(module): name for name, module in model.named_modules()}
+    tables = list(declared())
+    for table in tables:
+        if not isinstance(table, nn.Embedding) or id(table) not in names:
+            raise UsageError(f"{type(model).__name__}.sparse_tables() listed {type(table).__name__}, which is not "
+                             "one of the model's own nn.Embedding modules; list only those")
+    return [(names[id(table)], table) for table in tables]
 
 
 def dense_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

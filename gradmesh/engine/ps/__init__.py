@@ -61,7 +61,7 @@ class ParameterServerEngine(SegmentReport):
         if is_server:
             index = topology.rank - self.roles.workers
             shards = [TableShard(table, self.roles.servers, index, lambda low, high, t=t: model.init_rows(t, low, high),
-                                 topology.device) for t, (_, table) in enumerate(self.sparse)]
+                                 topology.device, name) for t, (name, table) in enumerate(self.sparse)]
             self.server = Server(index, self.layout.shard(index), self.layout.buckets(index, bucket), self.flat,
                                  self.wire, job, self.bound, servers_group, shards, self.hybrid)
             self.optimizer = self.server.optimizer

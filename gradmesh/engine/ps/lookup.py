@@ -24,6 +24,7 @@ class WorkerTables:
     def __init__(self, model: nn.Module, tables: list[tuple[str, nn.Embedding]], roles, wire,
                  codec: PushCodec | None = None):
         self.tables, self.roles, self.wire = [module for _, module in tables], roles, wire
+        self.names = [name for name, _ in tables]
         self.codec = codec or PushCodec("none")
         """How the rows' gradients travel (--compression fp16|bf16: half width)."""
         self.clock = None
@@ -52,7 +53,13 @@ class WorkerTables:
             return None
         found, block = self.blocks[index][-1]
         module.weight, module.sparse = block, False
-        return (torch.searchsorted(found, ids.contiguous()),)
+        at = torch.searchsorted(found, ids.contiguous()).clamp(max=max(len(found) - 1, 0))
+        if len(found) == 0 or not torch.equal(found[at], ids):  # else a row of another id, silently
+            missing = ids[found[at] != ids][0] if len(found) else ids.reshape(-1)[0]
+            raise ValueError(f"sparse table {self.names[index]} looked up id {int(missing)}, which the model's "
+                             f"lookups(...) did not list for it: lookups must give exactly the ids each table's "
+                             f"forward looks up")
+        return (at,)
 
     def _pull(self, lookups: list[torch.Tensor]) -> None:
         if not (self.active or self.evaluating):
@@ -60,7 +67,7 @@ class WorkerTables:
         if self.evaluating:
             for blocks in self.blocks:
                 blocks.clear()
-        wanted = [torch.unique(ids) for ids in lookups]
+        wanted = [torch.unique(ids) for ids in self._checked(lookups)]
         ids = torch.cat([found + self.space.offsets[t] for t, found in enumerate(wanted)])
         gate, self.gate = self.gate, None
         asked = self.space.by_server(ids, every=gate is not None)  # a pull: every server answers it
@@ -75,8 +82,8 @@ class WorkerTables:
         with self.clock.phase("pull"):
             for s, mine in asked:
                 server = self.roles.server_rank(s)
-                reply = self.wire.receive_from(server)
-                assert reply.kind == Kind.ROWS and reply.samples == int(mine.sum()), reply
+                reply = self.wire.receive_from(server).expect(server, Kind.ROWS)
+                reply.check(server, "samples", reply.samples == int(mine.sum()), f"{int(mine.sum())}, the rows asked for")
                 rows[mine] = payload_of(self.wire, server, reply.samples, like.embedding_dim, rows.device, rows.dtype)
                 versions.append(reply.version)
                 if gate is not None and s == 0 and self.heard:
@@ -85,6 +92,22 @@ class WorkerTables:
             self.versions = versions
         for blocks, found, part in zip(self.blocks, wanted, rows.split([len(f) for f in wanted])):
             blocks.append((found, nn.Parameter(part)))
+
+    def _checked(self, lookups: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The ids each table will look up, each in its table's range, before any leaves this
+        worker. The tables share one id space on the wire, so an id past a table's end would be a
+        row of the next table there; data parallelism's nn.Embedding raises IndexError, and so
+        does this, naming the table, the id and the range."""
+        lookups = list(lookups)
+        if len(lookups) != len(self.tables):
+            raise ValueError(f"the model's lookups(...) gave {len(lookups)} id tensors for its {len(self.tables)} "
+                             f"sparse tables ({', '.join(self.names)}): give one per table, in that order")
+        for name, table, ids in zip(self.names, self.tables, lookups):
+            bad = (ids < 0) | (ids >= table.num_embeddings)
+            if bad.any():
+                raise IndexError(f"sparse table {name} looked up id {int(ids[bad][0])}, out of its range: it has "
+                                 f"{table.num_embeddings} rows, ids 0..{table.num_embeddings - 1}")
+        return lookups
 
     def push(self) -> float:
         """Every table's gradient rows to the servers holding them, one message per server (before

@@ -11,6 +11,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from gradmesh.comm.ps_wire import Message
 from gradmesh.data import GlobalBatch
 
 
@@ -43,6 +44,13 @@ class Segment:
 
     def indices(self, clock: int, chunk: int) -> list[int]:
         return dict(self.chunks[clock])[chunk]
+
+    def check_share(self, sender: int, message: Message) -> None:
+        """WireError unless the message's (clock, chunk) is a share of this segment."""
+        clocks = self.clocks
+        message.check(sender, "clock", message.clock in self.chunks, f"{clocks[0]}..{clocks[-1]}")
+        chunks = [j for j, _ in self.chunks[message.clock]]
+        message.check(sender, "chunk", message.chunk in chunks, ", ".join(map(str, chunks)) or "none")
 
     @property
     def total_chunks(self) -> int:

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from gradmesh.comm.compress import PushCodec
 from gradmesh.comm.ps_wire import Kind, Message, Wire
+from gradmesh.engine.ps.accept import check_lookup, check_message
 from gradmesh.engine.ps.apply import Applying
 from gradmesh.engine.ps.segment import Dispatcher, Segment
 from gradmesh.engine.ps.tables import ServerTables
@@ -121,10 +122,9 @@ class Server(Applying):
         is not involved; nothing changes)."""
         while True:
             source, message = self.wire.receive_any()
+            check_lookup(self, source, message, workers)
             if message.kind == Kind.FINISHED:
                 break
-            if message.kind != Kind.ROWS:
-                raise RuntimeError(f"parameter server {self.index}: unexpected {message.kind.name} during evaluation")
             ids = self.tables.message(self.wire, source, message)
             self.tables.answer(self.wire, source, ids, self.version, 0.0)
         self.wire.settle()
@@ -155,6 +155,7 @@ class Server(Applying):
         kind = message.kind
         if source in self.broken:
             return  # what a dead worker sent after a payload it never finished: incomplete
+        check_message(self, source, message)
         if kind == Kind.PUSH:
             self.receive_push(source, message.bucket)
         elif kind in (Kind.ROWS, Kind.GRADS):
@@ -168,16 +169,14 @@ class Server(Applying):
             if any(entry[0] == source for entry in self.waiting):
                 self.waiting = [entry for entry in self.waiting if entry[0] != source]
                 self.wire.send(source, Message(Kind.RETRY))
-        elif kind == Kind.TAKE and self.dispatcher:
+        elif kind == Kind.TAKE:
             self.parked.append(source)
             if message.version:
                 self.bundled.add(source)
             self.serve_parked()
-        elif kind == Kind.RETURN and self.dispatcher:
+        else:  # RETURN (check_message let through only what is handled here)
             self.dispatcher.give_back(source, (message.clock, message.chunk))
             self.serve_parked()
-        else:
-            raise RuntimeError(f"parameter server {self.index}: unexpected {kind.name} from rank {source}")
 
     def table_message(self, source: int, message: Message) -> None:
         """GRADS kept with the worker's share; ROWS answered like a pull, once the version it asks

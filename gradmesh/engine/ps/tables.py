@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from gradmesh.comm.compress import PushCodec
-from gradmesh.comm.ps_wire import Kind, Message
+from gradmesh.comm.ps_wire import Kind, Message, WireError
 from gradmesh.optim import rowwise_adagrad
 from gradmesh.parallel.ps import TableSpace, table_rows
 
@@ -26,10 +26,11 @@ from gradmesh.parallel.ps import TableSpace, table_rows
 class TableShard:
     """Server side: rows [low, high) of one table and their accumulators."""
 
-    def __init__(self, table: nn.Embedding, servers: int, server: int, initial, device: torch.device):
+    def __init__(self, table: nn.Embedding, servers: int, server: int, initial, device: torch.device,
+                 name: str = "table"):
         """`initial(low, high)`: the table's initial rows (a model whose tables stay on the meta
         device makes them itself, so no rank ever holds the whole table to start)."""
-        self.count, self.servers = table.num_embeddings, servers
+        self.count, self.servers, self.server, self.name = table.num_embeddings, servers, server, name
         self.low, self.high = table_rows(table.num_embeddings, servers, server)
         if table.weight.is_meta:
             self.weight = initial(self.low, self.high).to(device)
@@ -62,12 +63,35 @@ class ServerTables:
     def state_bytes(self) -> int:
         return sum(s.weight.numel() * s.weight.element_size() + s.accumulator.numel() * 4 for s in self.shards)
 
+    def rows_held(self) -> int:
+        """Rows of every table this server holds: the most one message may name (its ids are distinct)."""
+        return sum(s.high - s.low for s in self.shards)
+
+    def check_ids(self, source: int, message: Message, ids: torch.Tensor) -> None:
+        """WireError unless every id is a row this server holds. The tables share one id space, so
+        an id past a table's end is a row of the next table (or of another server's range): the
+        worker checks its lookups before they leave (`WorkerTables`), and this is the last line."""
+        total = self.space.offsets[-1]
+        inside = (ids >= 0) & (ids < total)
+        mine = inside & (self.space.ranges(ids.clamp(0, max(total - 1, 0))) % self.space.servers == self.shards[0].server)
+        if bool(mine.all()):
+            return
+        bad = int(ids[~mine][0])
+        accepted = f"global ids 0..{total - 1}"
+        if 0 <= bad < total:
+            table = int(self.space.ranges(torch.tensor([bad]))[0]) // self.space.servers
+            shard, start = self.shards[table], self.space.offsets[table]
+            accepted = (f"rows {shard.low}..{shard.high - 1} of {shard.name} (global ids {start + shard.low}.."
+                        f"{start + shard.high - 1}) on this server; id {bad} is row {bad - start}")
+        raise WireError(source, message.kind, "ids", bad, accepted)
+
     def message(self, wire, source: int, message: Message) -> torch.Tensor | None:
         """ROWS: the ids asked for (answered by `answer` once the version asked for is here);
         GRADS: the rows' gradients, kept until the worker commits. RuntimeError: the worker
         died before sending it all."""
         like = self.shards[0].weight
         ids = payload_of(wire, source, message.samples, 0, like.device)
+        self.check_ids(source, message, ids)
         if message.kind == Kind.ROWS:
             return ids
         grads = torch.empty(message.samples, like.shape[1], dtype=like.dtype, device=like.device)

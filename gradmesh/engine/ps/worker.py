@@ -84,11 +84,13 @@ class Worker:
                     self.wire.send(dispatcher, Message(Kind.TAKE, version=int(self.replica is None)))
                     asked = self.wire.expect(dispatcher, answer=True)
                 asked[1].wait()
-                reply, asked = Message.decode(asked[0]), None
+                reply, asked = Message.decode(asked[0], dispatcher).expect(dispatcher, Kind.TASK, Kind.DONE), None
             if reply.kind == Kind.DONE:
                 if self.replica:
                     self.replica.catch_up(reply.norm_sq)
                 break
+            segment.check_share(dispatcher, reply)
+            reply.check(dispatcher, "version", reply.version in (0, 1), "0 or 1")
             if ahead:
                 self.wire.send(dispatcher, Message(Kind.TAKE))
                 asked = self.wire.expect(dispatcher, answer=True)
@@ -128,7 +130,7 @@ class Worker:
         versions, updates, payloads, retry = [], [], [], False
         for s, (head, work) in enumerate(heads):  # the dispatcher (server 0) first: only it says RETRY
             work.wait()
-            reply = Message.decode(head)
+            reply = Message.decode(head, servers[s]).expect(servers[s], Kind.PARAMS, Kind.RETRY)
             if reply.kind == Kind.RETRY:
                 if not retry:  # every other server answers once more: PARAMS if it already had, else RETRY
                     for later in servers[s + 1:]:
