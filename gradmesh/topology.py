@@ -224,7 +224,10 @@ class Topology:
         coordination). Collective the first time a name is asked for: every rank asks in the
         same order. gloo takes CPU tensors even where training runs on NCCL."""
         if name not in self.side_groups:
-            self.side_groups[name] = dist.new_group(backend="gloo")
+            # The world group's timeout, not torch's 30-minute default for new groups: under in-place
+            # recovery a side group's collective (a checkpoint's, the replica check's) whose peer died
+            # mid-way must fail within the same bound, or the survivors wait there instead of regrouping.
+            self.side_groups[name] = dist.new_group(backend="gloo", timeout=_collective_timeout())
         return self.side_groups[name]
 
     def rejoin(self, rank: int, world_size: int, generation: int) -> "Topology":

@@ -194,6 +194,9 @@ def _check_balance(cfg: configuration.Config, plan: registry.Plan, data_ranks: i
 
 
 def _check_recovery(cfg: configuration.Config, plan: registry.Plan) -> None:
+    if cfg.fault.on_nonfinite == "rollback" and plan.engine == "ps":
+        raise UsageError(f"--on-nonfinite rollback needs ranks that step together; {plan.label}'s parameter servers "
+                         "check every push instead: use --on-nonfinite stop or skip")
     if cfg.fault.recovery == "inplace" and (not plan.inplace_recovery or cfg.launch.nnodes > 1):
         accepted = ", ".join(row.name for row in registry.ROWS if row.inplace_recovery)
         raise UsageError(f"--recovery inplace supports --strategy {accepted} on one machine (a lost rank's shard of "

@@ -16,6 +16,13 @@ that torch's own collective timeout (30 minutes) never fires first; the first st
 (re)start, which builds caches and lazily initialised state, is allowed the cap."""
 
 
+def auto_timeout(slowest: float) -> float:
+    """auto's limit once the slowest piece of work so far took `slowest` seconds (0: none done yet)."""
+    if slowest <= 0:
+        return AUTO_TIMEOUT_CAP
+    return min(AUTO_TIMEOUT_CAP, max(AUTO_TIMEOUT_FLOOR, AUTO_TIMEOUT_FACTOR * slowest))
+
+
 @dataclass(kw_only=True)
 class FaultConfig:
     """Surviving failures: detection, recovery, and injected faults for testing them."""

@@ -47,7 +47,7 @@ def _unmeasured(samples: int):
     return nullcontext()
 
 
-def _unchanged(losses):
+def _unchanged(losses, step=None):
     return losses
 
 
@@ -116,6 +116,8 @@ class Job:
     """gradmesh.fault.inplace.Membership under in-place recovery, else None."""
     step_timeout: float = 0.0
     """--step-timeout: engines whose ranks do not step together apply it to each share of work."""
+    on_nonfinite: str = "stop"
+    """--on-nonfinite: under stop a parameter server applies nothing more once a push was not finite."""
 
 
 def lr_factor(step: int, train: TrainConfig) -> float:

@@ -120,7 +120,7 @@ class Checkpointer:
         self.root = checkpoint_root(run_dir)
         self.keep, self.use_async = keep, use_async
         self.on_written = on_written
-        """Called once a write is under way, before it is published (fault injection's hook)."""
+        """Called as a write starts, once every rank has entered it (fault injection's hook)."""
         self.is_main, self.group = is_main, group
         self.pending: tuple[int, dict, Future] | None = None
 
@@ -132,12 +132,14 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         dist.barrier(group=self.group)
         payload = source.checkpoint_state()
+        # Fault injection's kill lands here: the other ranks are inside DCP's collectives, so a
+        # peer that is lost mid-write is lost while they wait on it (its own shard never written).
+        self.on_written(step)
         if self.use_async:
             future = dcp.async_save(payload, checkpoint_id=str(tmp), process_group=self.group)
             self.pending = (step, state, future)
         else:
             dcp.save(payload, checkpoint_id=str(tmp), process_group=self.group)
-        self.on_written(step)
         if not self.use_async:
             self._publish(step, state)
 

@@ -105,12 +105,14 @@ class Injector:
                 with torch.no_grad():
                     next(model.parameters()).view(-1)[0] += 1e-3
 
-    def spoil(self, losses):
-        """nan: this rank's losses turn NaN at its steps (logged once, as the run first meets it)."""
+    def spoil(self, losses, step: int | None = None):
+        """nan: this rank's losses turn NaN at its steps (logged once, as the run first meets it);
+        `step`: the step being worked on, where it is not the one started last (parameter servers)."""
+        step = self.step if step is None else step
         for fault in self.faults:
-            if fault.kind == "nan" and fault.step <= self.step < fault.step + max(fault.steps, 1):
+            if fault.kind == "nan" and fault.step <= step < fault.step + max(fault.steps, 1):
                 if fault.label not in self._fired():
-                    self._record(fault, self.step)
+                    self._record(fault, step)
                 return losses * float("nan")
         return losses
 

@@ -183,6 +183,11 @@ class Membership:
         future.then(settle)
         return guarded
 
+    def loss_seen(self) -> bool:
+        """A member of this generation has left (the launcher published a smaller generation)."""
+        with self.lock:
+            return self.lost_at > self.generation
+
     def wait(self, work) -> None:
         """`work.wait()` that raises MembersLost instead of blocking on a lost member."""
         self.guard(work.get_future()).wait()

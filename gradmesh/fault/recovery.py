@@ -30,6 +30,16 @@ class InplaceRecovery(Service):
             self.membership.next()
             self.regroup(None)
 
+    def after_step(self, outcome, elapsed: float) -> None:
+        """A member lost after the step's own collectives (or the segment's report) succeeded: the
+        survivors regroup now, before any service's collective (a checkpoint, an evaluation, the
+        metrics gather) runs on the broken group and waits there for the dead member."""
+        if self.membership.loss_seen():
+            for service in self.services:
+                service.regrouping()
+            self.membership.next()
+            self.regroup(None)
+
     def step(self, batch, probe):
         """The engine's step; after a loss the same global batch splits over the survivors."""
         while True:

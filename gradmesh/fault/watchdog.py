@@ -24,7 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from gradmesh import env
-from gradmesh.config.fault import AUTO_STEP_TIMEOUT, AUTO_TIMEOUT_CAP, AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_FLOOR
+from gradmesh.config.fault import AUTO_STEP_TIMEOUT, AUTO_TIMEOUT_CAP, auto_timeout
 from gradmesh.fault import inplace
 from gradmesh.files import open_append
 from gradmesh.topology import job_store
@@ -77,7 +77,7 @@ class Watchdog:
         """A step took `seconds`: auto's limit is max(300 s, 20 x the slowest), within the cap."""
         self.slowest = max(self.slowest, seconds)
         if self.auto:
-            self.timeout = min(AUTO_TIMEOUT_CAP, max(AUTO_TIMEOUT_FLOOR, AUTO_TIMEOUT_FACTOR * self.slowest))
+            self.timeout = auto_timeout(self.slowest)
 
     def _publish(self) -> None:
         progress = self.progress

@@ -70,7 +70,7 @@ class Trainer:
         reducer = build_reducer(self.counter, self.monitor.clock, session.membership, self.auto_compression)
         faults = faults or FaultConfig()
         job = Job(loss_fn, dataset, self.train, optimizer_class, kwargs, criterion, reducer, self.counter, ps or PSConfig(),
-                  session.membership, faults.step_timeout)
+                  session.membership, faults.step_timeout, faults.on_nonfinite)
         self.engine = build_engine(self.topo, self.plan, model, job)
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
         self.ctx = RunContext(self.topo, self.engine, self.run_dir, session.identity, quiet)

@@ -38,6 +38,10 @@ class Applying:
 
     def _count(self, worker: int, gradient: torch.Tensor, rows: list, message: Message) -> None:
         clock = message.clock
+        if not self._finite(gradient, rows, message.norm_sq):
+            self.refused.add(clock)
+            entry = self.stats[clock]
+            entry[4], entry[5] = entry[4] + 1, max(entry[5], self.identities[worker] + 1)
         if self.dispatcher:
             self.log[(clock, message.chunk)] = (worker, message.oldest, message.samples, message.loss)
         if self.additive:
@@ -51,6 +55,18 @@ class Applying:
                 self.dense_sq[clock] = message.norm_sq
             self.apply_ready_steps()
 
+    @staticmethod
+    def _finite(gradient: torch.Tensor, rows: list, norm_sq: float) -> bool:
+        """Every push is checked: its dense part, its table rows' gradients and its norm."""
+        tensors = [gradient] + [grads for _, _, grads in rows]
+        return math.isfinite(norm_sq) and all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
+
+    def _halted(self, clock: int) -> bool:
+        """Nothing of a step with a non-finite push is applied; under --on-nonfinite stop nothing
+        after it either (the run ends at the segment's report)."""
+        return clock in self.refused or (self.job.on_nonfinite == "stop" and bool(self.refused)
+                                         and clock > min(self.refused))
+
     def apply_ready_steps(self) -> None:
         while len(self.done.get(self.version, {})) == len(self.segment.chunks.get(self.version, [None])):
             clock = self.version
@@ -62,7 +78,8 @@ class Applying:
             norm = self._global_norm(total, self.tables.norm_sq(rows), self.dense_sq.pop(clock, 0.0))
             self.norms[clock] = norm
             clipped = self.step(total, clock, norm, 1.0)
-            self.tables.apply(rows, lr_factor(clock, self.job.train), clipped)
+            if clipped:
+                self.tables.apply(rows, lr_factor(clock, self.job.train), clipped)
             for version in self.pulled.pop(clock):
                 self.record(clock, clock - version)
             self.applied += len(shares)
@@ -75,8 +92,9 @@ class Applying:
         gradient.mul_(scale)
         staleness = self.version - message.version if self.bound is None else message.clock - message.version
         clipped = self.step(gradient, message.clock, math.sqrt(message.norm_sq) * scale, message.samples / batch)
-        self.tables.apply(self.tables.summed(rows), lr_factor(message.clock, self.job.train) * message.samples / batch,
-                          scale * clipped)
+        if clipped:
+            self.tables.apply(self.tables.summed(rows), lr_factor(message.clock, self.job.train) * message.samples / batch,
+                              scale * clipped)
         self.record(message.clock, staleness)
         self.applied += 1
         self._advance(message.clock, 1)
@@ -97,8 +115,12 @@ class Applying:
         return math.sqrt(squares.item() + replicated_sq)
 
     def step(self, gradient: torch.Tensor, clock: int, norm: float, lr_share: float) -> float:
-        """One optimizer step of the dense shard; the factor the gradient was clipped by."""
+        """One optimizer step of the dense shard; the factor the gradient was clipped by (0: the
+        step was not applied, its push or an earlier one not being finite)."""
         self.probe.reached(clock)
+        if self._halted(clock):
+            self.version += 1
+            return 0.0
         clipped = clip_factor(self.job.train.grad_clip, norm)
         if clipped != 1.0:
             gradient.mul_(clipped)
@@ -115,7 +137,7 @@ class Applying:
 
     def record(self, clock: int, staleness: int) -> None:
         entry = self.stats[clock]
-        entry[:] = entry[0] + staleness, entry[1] + 1, max(entry[2], staleness), time.time()
+        entry[:4] = entry[0] + staleness, entry[1] + 1, max(entry[2], staleness), time.time()
 
 
 def clip_factor(max_norm: float, norm: float) -> float:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from gradmesh.engine.base import StepOutcome, lr_factor, peak_memory_bytes
+from gradmesh.engine.nonfinite import Finding
 from gradmesh.engine.ps.segment import Segment
 from gradmesh.engine.ps.timing import roles_row
 
@@ -98,15 +99,16 @@ class SegmentReport:
         """Per step, over every server: staleness sum, count, max, when the step was applied, and
         the bytes every rank sent in the segment (spread evenly over its steps)."""
         clocks = done.segment.clocks
-        stats = torch.zeros(len(clocks), 5, dtype=torch.float64)
+        stats = torch.zeros(len(clocks), 7, dtype=torch.float64)  # ..., wire bytes, refused pushes, 1 + their worker
         if done.stats is not None:
-            stats[:, :4] = torch.tensor([done.stats[clock] for clock in clocks], dtype=torch.float64)
+            kept = torch.tensor([done.stats[clock] for clock in clocks], dtype=torch.float64)
+            stats[:, :4], stats[:, 5:] = kept[:, :4], kept[:, 4:]
         group = self.wire.header_group
-        sums = torch.cat([stats[:, :2].reshape(-1), torch.tensor([float(done.sent)], dtype=torch.float64)])
-        highs = stats[:, 2:4].contiguous()
+        sums = torch.cat([stats[:, [0, 1, 5]].reshape(-1), torch.tensor([float(done.sent)], dtype=torch.float64)])
+        highs = stats[:, [2, 3, 6]].contiguous()
         self._wait(dist.all_reduce(sums, group=group, async_op=True))
         self._wait(dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=group, async_op=True))
-        stats[:, :2], stats[:, 2:4] = sums[:-1].view(-1, 2), highs
+        stats[:, [0, 1, 5]], stats[:, [2, 3, 6]] = sums[:-1].view(-1, 3), highs
         total, steps = int(sums[-1].item()), len(clocks)  # whole bytes per row, summing to the segment's
         stats[:, 4] = torch.tensor([total // steps + (i < total % steps) for i in range(steps)], dtype=torch.float64)
         return stats
@@ -128,7 +130,7 @@ class SegmentReport:
             own = [s for s in shares if s[1] == me]
             lost = [{"worker": w, "indices": segment.indices(batch.step, c), "version": v} for c, w, v, _, _ in shares
                     if w != me]
-            stale_sum, count, stale_max, _, wire = stats[i].tolist()
+            stale_sum, count, stale_max, _, wire, refused, sender = stats[i].tolist()
             figures = torch.tensor([sum(s[4] for s in shares), sum(s[3] for s in shares), held, peak], dtype=torch.float64)
             lr = self.job.optimizer_kwargs["lr"] * lr_factor(batch.step, self.job.train)
             detail = {"versions": [v for _, _, v, _, _ in own]} if self.worker else {}
@@ -138,6 +140,10 @@ class SegmentReport:
             outcome = StepOutcome(batch, lr, indices, figures,
                                   row={"staleness_max": int(stale_max), "staleness_mean": stale_sum / max(count, 1),
                                        "wire_bytes": int(wire), "roles": roles}, detail=detail)
+            if refused:
+                outcome.row["skipped"] = "nonfinite"
+                outcome.nonfinite = Finding(batch.step + 1, push=f"gradient pushed by worker rank {int(sender) - 1} "
+                                            f"({int(refused)} push(es) refused by the parameter servers)")
             found.append((outcome, seconds[i]))
         return found
 

@@ -81,6 +81,8 @@ class Dispatcher:
         """When each held share was handed out (time.monotonic)."""
         self.hung: set[int] = set()
         """Workers found holding a share too long (their loss is on its way)."""
+        self.longest = 0.0
+        """The longest a committed share was held (seconds): --step-timeout auto's measure."""
 
     def _mine(self, worker: int, task: tuple[int, int]) -> bool:
         return not self.static or task[1] == worker or task[1] in self.orphaned
@@ -104,6 +106,8 @@ class Dispatcher:
         self.held.get(worker, set()).discard(task)
         if task in self.committed:
             return False
+        if task in self.since:
+            self.longest = max(self.longest, time.monotonic() - self.since[task])
         self.committed.add(task)
         if task in self.queue:  # handed out again after its worker died, yet its commit arrived
             self.queue.remove(task)

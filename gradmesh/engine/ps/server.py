@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from gradmesh.comm.compress import PushCodec
 from gradmesh.comm.ps_wire import Kind, Message, Wire
+from gradmesh.config.fault import auto_timeout
 from gradmesh.engine.ps.accept import check_lookup, check_message
 from gradmesh.engine.ps.apply import Applying
 from gradmesh.engine.ps.segment import Dispatcher, Segment
@@ -72,8 +73,8 @@ class Server(Applying):
         self.segment, self.dispatcher, self.probe = segment, dispatcher, probe
         self.identities, self.workers = identities, segment.workers
         self._begin(segment)
-        timed = dispatcher is not None and self.job.step_timeout > 0
-        overdue = (lambda: self.dispatcher.overdue(self.job.step_timeout)) if timed else list
+        timed = dispatcher is not None and self.job.step_timeout != 0
+        overdue = (lambda: self.dispatcher.overdue(self.share_limit())) if timed else list
         wake = (lambda: (lookout is not None and lookout()) or bool(overdue())) if lookout or timed else None
         while not self._served():
             with self.clock.phase("idle"):
@@ -107,7 +108,9 @@ class Server(Applying):
         """Sync: clock -> the global gradient norm the step was clipped by (0 with clipping off)."""
         self.frontier = segment.first  # every step before it wholly applied (a segment starts with none in flight)
         self.left = {clock: len(segment.chunks[clock]) for clock in segment.clocks}
-        self.stats = {clock: [0.0, 0.0, 0.0, segment.started] for clock in segment.clocks}
+        self.stats = {clock: [0.0, 0.0, 0.0, segment.started, 0.0, 0.0] for clock in segment.clocks}
+        self.refused: set[int] = set()
+        """Steps with a push that was not finite: nothing of them is applied here."""
 
     def _end(self) -> None:
         with self.clock.phase("send"):
@@ -192,6 +195,13 @@ class Server(Applying):
             self.waiting.append((source, message.clock, message.version, wanted))
             self.answer_pulls()
 
+    def share_limit(self) -> float:
+        """--step-timeout in seconds; auto: from the longest any share of the run was held."""
+        if self.job.step_timeout > 0:
+            return self.job.step_timeout
+        self.slowest_share = max(getattr(self, "slowest_share", 0.0), self.dispatcher.longest)
+        return auto_timeout(self.slowest_share)
+
     def _stop_hung(self, overdue: list[tuple[int, tuple[int, int]]]) -> None:
         """Dispatcher, --step-timeout: a worker holding a share that long without committing it
         hangs. Under in-place recovery the launcher stops it and the others take its shares;
@@ -199,7 +209,7 @@ class Server(Applying):
         for worker, (clock, _) in overdue:
             self.dispatcher.hung.add(worker)
             what = (f"parameter server: worker rank {worker} has held a share of step {clock} for more than "
-                    f"--step-timeout {self.job.step_timeout:g} s without committing it")
+                    f"--step-timeout {self.share_limit():g} s without committing it")
             if self.job.membership is None:
                 raise RuntimeError(what + "; it hangs (--recovery inplace would go on without it)")
             print(f"gradmesh: {what}: it hangs and is stopped", file=sys.stderr, flush=True)

@@ -167,6 +167,7 @@ class Worker:
                 data = to_device(fetch(self.job.dataset, part), self.device)
             with self.clock.phase("compute"):
                 losses = self.job.loss_fn(self.model, data)
+                losses = probe.spoil(losses, task[0] + 1) if i == 0 else losses  # a clock is its step - 1
                 self.pushing = i == len(micro) - 1
                 (losses.sum() / batch_size).backward()
                 loss_sum += losses.detach().sum().item()
