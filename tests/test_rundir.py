@@ -127,17 +127,13 @@ sys.stdin.read()
 
 
 def test_two_peers_claiming_a_new_folder_at_once_both_go_on(tmp_path, monkeypatch):
-    from gradmesh import rundir
+    from gradmesh import files, rundir
 
     rundir.start_fresh(tmp_path / "run")
     monkeypatch.setattr(rundir, "is_gradmesh_run", lambda run_dir: False)  # the peer looked before the marker came
     assert rundir.start_fresh(tmp_path / "run") == []
     monkeypatch.undo()
-    (tmp_path / "run" / "metrics.jsonl").write_text("")
-
-    def peer_removes_it_meanwhile(folder):
-        (tmp_path / "run" / "metrics.jsonl").unlink()
-        return []
-
-    monkeypatch.setattr(rundir.files, "abandoned_temporaries", peer_removes_it_meanwhile)
+    files.atomic_write(tmp_path / "run" / "metrics.jsonl", "")
+    files.atomic_write(tmp_path / "run" / "summary.json", "{}")
+    (tmp_path / "run" / "summary.json").unlink()  # a peer launcher removed it a moment ago
     assert rundir.clear_previous_run(tmp_path / "run") == [tmp_path / "run" / "metrics.jsonl"]
