@@ -6,7 +6,9 @@ name. `RUN_DIR/.gradmesh-manifest` holds one JSON object per line: `{"file": "su
 `{"dir": "report"}`, or `{"tree": "checkpoints/.tmp-step-5"}` (a hidden working folder that
 gradmesh made and a library filled with files it names itself, DCP's shards: all of it is
 gradmesh's). Paths are relative to the run directory; an entry that is absolute or climbs out
-with `..` is ignored, so an edited manifest cannot aim a deletion elsewhere.
+with `..` is ignored, so an edited manifest cannot aim a deletion elsewhere. A removal appends
+`{"gone": path}`: the list is a log, read in order, so a user's file made later at a path
+gradmesh once used is not taken for gradmesh's, and no line is ever rewritten under a writer.
 
 A path is recorded *before* it is created, with a single write(2) on the manifest opened
 O_APPEND: every rank of a run appends to it at once without losing another's record, and a
@@ -31,6 +33,7 @@ MARKER = ".gradmesh-run"
 DEPTH = 3
 """How far up a written path its run directory can be (RUN_DIR/checkpoints/step-N/file)."""
 KINDS = ("file", "tree", "dir")
+"""What a record may name; `gone` records a removal."""
 _LEFT_ALONE = {errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.EEXIST}
 """Not what was recorded any more (a user's file in a folder, a link where a folder was): kept."""
 
@@ -63,24 +66,22 @@ def record(run_dir: str | Path, *paths: str | Path, kind: str = "file") -> None:
 
 
 def entries(run_dir: str | Path) -> set[tuple[str, str]]:
-    """(kind, relative path) of every well-formed record confined to the run directory."""
+    """(kind, relative path) of every path recorded, confined to the run directory and not gone since."""
     from gradmesh.files import read_jsonl  # files records through this module
 
-    found = set()
+    found: dict[str, str] = {}
     for row in read_jsonl(Path(run_dir) / MANIFEST):
         for kind, rel in row.items():
-            if kind in KINDS and isinstance(rel, str) and _confined(rel):
-                found.add((kind, rel))
-    return found
+            if kind == "gone":
+                found.pop(rel, None)
+            elif kind in KINDS and isinstance(rel, str) and _confined(rel):
+                found[rel] = kind
+    return {(kind, rel) for rel, kind in found.items()}
 
 
 def _confined(rel: str) -> bool:
     parts = rel.split("/")
     return bool(rel) and "\0" not in rel and not rel.startswith("/") and all(p not in ("", ".", "..") for p in parts)
-
-
-def recorded(run_dir: str | Path) -> set[str]:
-    return {rel for _, rel in entries(run_dir)}
 
 
 def remove(run_dir: str | Path, under: str = "", keep: tuple[str, ...] = ()) -> list[Path]:
@@ -90,7 +91,10 @@ def remove(run_dir: str | Path, under: str = "", keep: tuple[str, ...] = ()) -> 
     listed = [(kind, rel) for kind, rel in entries(run_dir) if rel not in keep
               and (not under or rel == under or rel.startswith(under + "/"))]
     listed.sort(key=lambda entry: (entry[0] == "dir", -entry[1].count("/"), entry[1]))
-    return [run_dir / rel for kind, rel in listed if _remove_one(run_dir, kind, rel)]
+    gone = [run_dir / rel for kind, rel in listed if _remove_one(run_dir, kind, rel)]
+    if gone:
+        record(run_dir, *gone, kind="gone")
+    return gone
 
 
 def _remove_one(run_dir: Path, kind: str, rel: str) -> bool:

@@ -46,11 +46,12 @@ def check_fresh(run_dir: str | Path, overwrite: bool) -> None:
             raise UsageError(f"run dir {str(run_dir)!r} is not empty and holds no gradmesh run (no {MARKER}); "
                              "give a new or empty --run-dir (gradmesh never deletes what it did not write)")
         return
-    listed = manifest.recorded(run_dir)
-    if not overwrite and any(os.path.lexists(run_dir / rel) for rel in listed - set(RESTATED)):
+    listed = manifest.entries(run_dir)
+    results = [rel for kind, rel in listed if kind == "file" and rel not in RESTATED]  # a folder left for a user's file is none
+    if not overwrite and any(os.path.lexists(run_dir / rel) for rel in results):
         raise UsageError(f"run dir {str(run_dir)!r} holds a gradmesh run: --resume continues it, "
                          "--overwrite replaces it")
-    unlisted = [p for p in _run_files(run_dir) if p.relative_to(run_dir).as_posix() not in listed]
+    unlisted = [p for p in _run_files(run_dir) if p.relative_to(run_dir).as_posix() not in {rel for _, rel in listed}]
     if unlisted:
         raise UsageError(f"run dir {str(run_dir)!r} has {unlisted[0].name}, which its manifest ({manifest.MANIFEST}) "
                          "does not list as gradmesh's, and a fresh run would write to it; move it away "

@@ -174,7 +174,7 @@ class Checkpointer:
     def _remove(self, name: str) -> None:
         manifest.remove(self.run_dir, under=f"{self.root.name}/{name}")
 
-    def _prune(self, published: Path) -> None:
+    def _prune(self, published: Path | None = None) -> None:
         """Drop abandoned writes, and checkpoints older than the `keep` newest intact ones:
         damaged ones are never counted, so the newest intact checkpoint is never removed."""
         for stale in self.root.glob(".tmp-step-*"):

@@ -34,7 +34,8 @@ def file_digests(folder: Path) -> dict[str, list[int]]:
             if p.is_file() and p.name != STATE_FILE}
 
 
-def _state_crc(state: dict) -> int:
+def state_checksum(state: dict) -> int:
+    """CRC-32 of a state's canonical JSON, its `checksum` key left out."""
     body = {key: value for key, value in state.items() if key != "checksum"}
     return zlib.crc32(json.dumps(body, sort_keys=True).encode())
 
@@ -43,7 +44,7 @@ def seal(state: dict, folder: Path) -> dict:
     """`state` with the digests of every file in `folder` and its own checksum: what to write as
     the state file. Round-tripped through JSON first, so the checksum is of what a reader sees."""
     sealed = json.loads(json.dumps(dict(state, files=file_digests(folder))))
-    return dict(sealed, checksum=_state_crc(sealed))
+    return dict(sealed, checksum=state_checksum(sealed))
 
 
 def verify(path: Path) -> str | None:
@@ -74,7 +75,7 @@ def _state_problem(path: Path, state) -> str | None:
         return f"{STATE_FILE} holds a JSON {type(state).__name__}, not an object"
     if "files" not in state:
         return f"{STATE_FILE} has no checksums (no 'files' entry), so the checkpoint cannot be verified"
-    if state.get("checksum") != _state_crc(state):
+    if state.get("checksum") != state_checksum(state):
         return f"{STATE_FILE} fails its checksum (edited or torn after it was written)"
     files = state["files"]
     if not isinstance(files, dict) or DCP_METADATA not in files:
