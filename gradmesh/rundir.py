@@ -103,7 +103,9 @@ def new_default_run_dir(root: Path = DEFAULT_ROOT) -> Path:
 
 
 def ensure_writable(run_dir: str | Path) -> Path:
+    """The run dir can be written, and not through a link where gradmesh writes (refused first)."""
     run_dir = Path(run_dir)
+    refuse_links(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".gradmesh-write-test-{os.getpid()}"  # launchers of several nodes may probe at once
@@ -111,7 +113,6 @@ def ensure_writable(run_dir: str | Path) -> Path:
         probe.unlink()
     except OSError as exc:
         raise UsageError(f"run dir {str(run_dir)!r} is not writable ({exc.strerror}); give --run-dir DIR") from None
-    refuse_links(run_dir)
     return run_dir
 
 

@@ -161,7 +161,6 @@ def check_train(cfg: configuration.Config, nproc: int, device: str = "cpu") -> P
         rundir.ensure_writable(rundir.DEFAULT_ROOT)
         return None
     RunLock(cfg.run.dir, _job_key(cfg)).check()
-    rundir.refuse_links(cfg.run.dir)
     if cfg.checkpoint.resume:
         _check_resume(cfg, Path(cfg.run.dir))
     else:
