@@ -16,12 +16,16 @@ from gradmesh.fault import safeload
 from gradmesh.files import replacing
 
 
-def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
+def pick_checkpoint(run_dir: Path, step: int | None, warn=print) -> Path:
+    """The checkpoint of `step`; without one, the newest intact checkpoint (damaged newer ones noted)."""
     found = checkpoint.complete_checkpoints(run_dir)
     if not found:
         raise UsageError(f"no complete checkpoint in {str(checkpoint.checkpoint_root(run_dir))!r}")
     if step is None:
-        return found[0]
+        latest = checkpoint.latest_good_checkpoint(run_dir, warn=warn)
+        if latest is None:
+            raise UsageError(f"every checkpoint in {str(checkpoint.checkpoint_root(run_dir))!r} is damaged")
+        return latest
     for path in found:
         if path.name == f"step-{step}":
             return path
@@ -29,9 +33,9 @@ def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
     raise UsageError(f"no checkpoint for step {step} in {str(run_dir)!r}; available steps: {steps}")
 
 
-def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, int]:
+def export(run_dir: str | Path, out: str | Path, step: int | None = None, warn=print) -> tuple[Path, int]:
     """Write the model weights of a checkpoint to `out`; returns (checkpoint used, tensor count)."""
-    path = pick_checkpoint(Path(run_dir), step)
+    path = pick_checkpoint(Path(run_dir), step, warn)
     problem = checkpoint.verify(path)
     if problem:
         raise UsageError(f"checkpoint {path} is damaged ({problem}); choose another with --step")

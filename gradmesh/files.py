@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from gradmesh import manifest
+
 TMP_PREFIX = ".gradmesh-tmp-"
 """Temporary files start so, under rundir.OWN_PREFIX: a crash's leftovers are known as gradmesh's."""
 
@@ -58,12 +60,18 @@ def _ends_torn(path: Path) -> bool:
 
 def open_append(path: str | Path, buffering: int = -1):
     """A JSONL file opened to append records; a last line torn by a crash is ended first, so the
-    next record starts a line of its own instead of being lost with the torn one."""
+    next record starts a line of its own instead of being lost with the torn one. A new file is
+    recorded in its run directory's manifest first; a link is never followed (ELOOP)."""
     torn = _ends_torn(Path(path))
-    handle = open(path, "a", buffering=buffering)
+    manifest.record_new(path)
+    handle = open(path, "a", buffering=buffering, opener=_no_follow)
     if torn:
         handle.write("\n")
     return handle
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW, 0o666)
 
 
 def abandoned_temporaries(folder: Path) -> list[Path]:
@@ -91,8 +99,10 @@ def _alive(pid: int) -> bool:
 def replacing(path: str | Path) -> Iterator[Path]:
     """A temporary path beside `path` for a writer that wants a path of its own (safetensors);
     when the block ends without an error it is synced and renamed to `path`. On an error `path`
-    is left as it was and the temporary file removed."""
+    is left as it was and the temporary file removed. A new `path` is recorded in its run
+    directory's manifest first."""
     path = Path(path)
+    manifest.record_new(path)
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         yield tmp

@@ -2,25 +2,29 @@
 
 A folder is gradmesh's only when it carries the marker file `.gradmesh-run` (the run's id),
 written first thing into a new or empty folder. A fresh run refuses a non-empty folder without
-it, and a gradmesh run that has checkpoints unless asked to `--overwrite` it; starting afresh
-removes only the files a run writes (DESIGN.md contract 9).
+it, and a gradmesh run that holds results (checkpoints, metrics, weights) unless asked to
+`--overwrite` it; starting afresh removes only what the run's manifest lists (gradmesh.manifest),
+so a user's files stay wherever they are, and a gradmesh path that is a symlink is refused
+rather than followed (DESIGN.md contract 9).
 """
 
 import json
 import os
-import shutil
 import time
 import uuid
 from pathlib import Path
 
-from gradmesh import files
+from gradmesh import files, manifest
 from gradmesh.errors import UsageError
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors", "vocab.json", "pipeline.json", "faults.jsonl",
              "alerts.jsonl", "trace.json", "report.html")
 RANK_FILE_PATTERNS = ("samples-rank*.jsonl", "stacks-rank*.txt", "steps-rank*.jsonl")
 RUN_DIRS = ("checkpoints", "tensorboard", "report")
-MARKER = ".gradmesh-run"
+MARKER = manifest.MARKER
+RESTATED = ("config.toml",)
+"""Rewritten whole by every launch just before its workers start (which clear again): not a
+result, and not removed by a fresh start."""
 OWN_PREFIX = ".gradmesh-"
 """gradmesh's own hidden files (the marker, a launcher's write probe): not a user's content."""
 DEFAULT_ROOT, LATEST = Path("runs"), "latest"
@@ -31,18 +35,42 @@ def is_gradmesh_run(run_dir: str | Path) -> bool:
 
 
 def check_fresh(run_dir: str | Path, overwrite: bool) -> None:
-    """A fresh run may use this folder: new or empty, or an earlier gradmesh run (with checkpoints
+    """A fresh run may use this folder: new or empty, or an earlier gradmesh run (one with results
     only under --overwrite). Touches nothing."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return
+    refuse_links(run_dir)
     if not is_gradmesh_run(run_dir):
         if any(not entry.name.startswith(OWN_PREFIX) for entry in run_dir.iterdir()):
             raise UsageError(f"run dir {str(run_dir)!r} is not empty and holds no gradmesh run (no {MARKER}); "
                              "give a new or empty --run-dir (gradmesh never deletes what it did not write)")
-    elif (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) and not overwrite:
-        raise UsageError(f"run dir {str(run_dir)!r} holds a gradmesh run with checkpoints: --resume continues it, "
+        return
+    listed = manifest.entries(run_dir)
+    results = [rel for kind, rel in listed if kind == "file" and rel not in RESTATED]  # a folder left for a user's file is none
+    if not overwrite and any(os.path.lexists(run_dir / rel) for rel in results):
+        raise UsageError(f"run dir {str(run_dir)!r} holds a gradmesh run: --resume continues it, "
                          "--overwrite replaces it")
+    unlisted = [p for p in _run_files(run_dir) if p.relative_to(run_dir).as_posix() not in {rel for _, rel in listed}]
+    if unlisted:
+        raise UsageError(f"run dir {str(run_dir)!r} has {unlisted[0].name}, which its manifest ({manifest.MANIFEST}) "
+                         "does not list as gradmesh's, and a fresh run would write to it; move it away "
+                         "(gradmesh deletes only what it recorded writing)")
+
+
+def _run_files(run_dir: Path) -> list[Path]:
+    """What a run writes at the top of its folder, by name (never for deleting: to find clashes)."""
+    return ([run_dir / name for name in RUN_FILES if os.path.lexists(run_dir / name)]
+            + sorted(p for pattern in RANK_FILE_PATTERNS for p in run_dir.glob(pattern)))
+
+
+def refuse_links(run_dir: str | Path) -> None:
+    """A folder or file gradmesh writes that is a symlink is refused, never written through."""
+    run_dir = Path(run_dir)
+    for path in [run_dir / name for name in (*RUN_DIRS, *RESTATED, manifest.MANIFEST)] + _run_files(run_dir):
+        if path.is_symlink():
+            raise UsageError(f"{str(path)!r} in the run dir is a symbolic link (to {os.readlink(path)!r}); gradmesh "
+                             "never writes or deletes through a link: remove the link or give another --run-dir")
 
 
 def start_fresh(run_dir: str | Path, overwrite: bool = False) -> list[Path]:
@@ -75,7 +103,9 @@ def new_default_run_dir(root: Path = DEFAULT_ROOT) -> Path:
 
 
 def ensure_writable(run_dir: str | Path) -> Path:
+    """The run dir can be written, and not through a link where gradmesh writes (refused first)."""
     run_dir = Path(run_dir)
+    refuse_links(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".gradmesh-write-test-{os.getpid()}"  # launchers of several nodes may probe at once
@@ -87,20 +117,15 @@ def ensure_writable(run_dir: str | Path) -> Path:
 
 
 def clear_previous_run(run_dir: str | Path) -> list[Path]:
-    """Remove an earlier run's results and checkpoints (a fresh start); returns what was removed."""
+    """Remove an earlier run's results and checkpoints (a fresh start): what its manifest lists,
+    and atomic writes a crash cut short; returns what was removed."""
     run_dir = Path(run_dir)
-    old = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
-    old += [p for pattern in RANK_FILE_PATTERNS for p in run_dir.glob(pattern)]
-    old += files.abandoned_temporaries(run_dir)  # atomic writes a crash cut short
-    old += [run_dir / name for name in RUN_DIRS if (run_dir / name).exists()]
-    for path in old:  # a peer launcher of a multi-node job may be removing the same files
-        shutil.rmtree(path, onerror=_gone_already) if path.is_dir() else path.unlink(missing_ok=True)
+    refuse_links(run_dir)
+    old = manifest.remove(run_dir, keep=RESTATED)
+    for path in files.abandoned_temporaries(run_dir):
+        path.unlink(missing_ok=True)  # a peer launcher of a multi-node job may be removing it too
+        old.append(path)
     return old
-
-
-def _gone_already(function, path, exc_info) -> None:
-    if not issubclass(exc_info[0], FileNotFoundError):
-        raise exc_info[1]
 
 
 def truncate_steps(path: Path, last_step: int) -> None:

@@ -6,17 +6,21 @@ or --overwrite; without --run-dir every run gets a folder of its own under runs/
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from catalogue import copy_run
 from gradmesh.cli import build_parser
 from gradmesh.cli.options import resolve_config
 from gradmesh.errors import UsageError
+from gradmesh.rundir import RUN_DIRS
 from gradmesh.runlock import LOCK, RunLock
 from helpers import TINY, gradmesh, metrics, summary
 from runs import half_run
-from test_cli_errors import assert_usage_error
+from test_cli_errors import assert_usage_error, snapshot
 
 SHORT = ["--nproc", "1", "--quiet", "--max-steps", "2", "--global-batch-size", "8", *TINY]
 
@@ -39,16 +43,78 @@ def test_a_gradmesh_run_with_checkpoints_needs_resume_or_overwrite(catalogue, tm
     assert (run / "checkpoints" / "step-10").is_dir()
 
 
+USERS = ("notes.txt", "checkpoints/notes.txt", "checkpoints/step-5/mine.txt", "report/figure.png",
+         "tensorboard/mine/events.out.tfevents.1.host.1.0")
+
+
 def test_overwrite_replaces_the_runs_files_and_keeps_the_users(catalogue, tmp_path):
+    """Issue 25, item 6: the user's files inside checkpoints/, report/ and tensorboard/ too."""
     run = copy_run(half_run(catalogue, 1), tmp_path / "run")
-    (run / "notes.txt").write_text("keep me")
+    for name in USERS:
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text("keep me")
     marker = (run / ".gradmesh-run").read_text()
     result = gradmesh("train", "--run-dir", str(run), "--overwrite", *SHORT)
     assert result.returncode == 0, result.stderr
     assert [row["step"] for row in metrics(run)] == [1, 2] and summary(run)["steps"] == 2
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
-    assert (run / "notes.txt").read_text() == "keep me" and (run / ".gradmesh-run").read_text() == marker
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["notes.txt", "step-2", "step-5"]
+    assert [p.name for p in (run / "checkpoints" / "step-5").iterdir()] == ["mine.txt"]  # its own files went
+    assert all((run / name).read_text() == "keep me" for name in USERS)
+    assert (run / ".gradmesh-run").read_text() == marker
     assert not (run / LOCK).exists()  # released when the run ended
+
+
+def test_a_finished_run_without_its_checkpoints_still_needs_overwrite(catalogue, tmp_path, cli):
+    run = copy_run(half_run(catalogue, 1), tmp_path / "run")
+    shutil.rmtree(run / "checkpoints")
+    before = snapshot(run)
+    assert_usage_error(cli("train", "--run-dir", str(run), *SHORT), str(run), "--overwrite")
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("link", RUN_DIRS)
+@pytest.mark.parametrize("args", [[*SHORT, "--overwrite"], ["--resume", "--max-steps", "12"]], ids=["overwrite", "resume"])
+def test_a_linked_folder_is_refused_and_nothing_is_deleted(catalogue, tmp_path, cli, link, args):
+    """Before: --overwrite removed the run's files, then crashed on the link (rmtree refuses one)."""
+    run = copy_run(half_run(catalogue, 1), tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    if (run / link).exists():
+        (run / link).rename(elsewhere)
+    else:
+        elsewhere.mkdir()
+    (elsewhere / "precious.txt").write_text("not gradmesh's")
+    (run / link).symlink_to(elsewhere)
+    before, outside = snapshot(run), snapshot(elsewhere)
+    assert_usage_error(cli("train", "--run-dir", str(run), *args), f"{link}'", "symbolic link")
+    assert snapshot(run) == before and snapshot(elsewhere) == outside
+
+
+def test_report_refuses_a_linked_report_folder(catalogue, tmp_path, cli):
+    """Before: it wrote its plots at the link's target, and removed a breakdown.png there."""
+    run = copy_run(half_run(catalogue, 1), tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "breakdown.png").write_text("someone else's")
+    (run / "report").symlink_to(elsewhere)
+    before = snapshot(elsewhere)
+    assert_usage_error(cli("report", str(run)), "report'", "symbolic link")
+    assert snapshot(elsewhere) == before and not (run / "report.html").exists()
+
+
+def test_report_removes_only_a_plot_it_wrote(catalogue, tmp_path):
+    """A run with no breakdown loses gradmesh's stale breakdown plot, never a user's file of that name."""
+    from gradmesh.monitor.report import write_report
+
+    run = copy_run(half_run(catalogue, 1), tmp_path / "run")
+    write_report(run)
+    assert (run / "report" / "breakdown.png").is_file()
+    rows = [{k: v for k, v in row.items() if k != "breakdown"} for row in metrics(run)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    write_report(run)
+    assert not (run / "report" / "breakdown.png").exists()  # gradmesh's own, stale: gone
+    (run / "report" / "breakdown.png").write_text("the user's, made at the path gradmesh once used")
+    write_report(run)
+    assert (run / "report" / "breakdown.png").read_text().startswith("the user's")
 
 
 def test_default_runs_get_a_folder_each_and_resume_continues_the_latest(tmp_path, monkeypatch):
@@ -127,17 +193,13 @@ sys.stdin.read()
 
 
 def test_two_peers_claiming_a_new_folder_at_once_both_go_on(tmp_path, monkeypatch):
-    from gradmesh import rundir
+    from gradmesh import files, rundir
 
     rundir.start_fresh(tmp_path / "run")
     monkeypatch.setattr(rundir, "is_gradmesh_run", lambda run_dir: False)  # the peer looked before the marker came
     assert rundir.start_fresh(tmp_path / "run") == []
     monkeypatch.undo()
-    (tmp_path / "run" / "metrics.jsonl").write_text("")
-
-    def peer_removes_it_meanwhile(folder):
-        (tmp_path / "run" / "metrics.jsonl").unlink()
-        return []
-
-    monkeypatch.setattr(rundir.files, "abandoned_temporaries", peer_removes_it_meanwhile)
+    files.atomic_write(tmp_path / "run" / "metrics.jsonl", "")
+    files.atomic_write(tmp_path / "run" / "summary.json", "{}")
+    (tmp_path / "run" / "summary.json").unlink()  # a peer launcher removed it a moment ago
     assert rundir.clear_previous_run(tmp_path / "run") == [tmp_path / "run" / "metrics.jsonl"]

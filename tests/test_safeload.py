@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from gradmesh.fault import safeload
+from gradmesh.fault import integrity, safeload
 from runs import half_run
 from test_cli_errors import assert_usage_error
 
@@ -43,9 +43,10 @@ def crafted(request, tmp_path):
     step = tmp_path / "run" / "checkpoints" / "step-3"
     step.mkdir(parents=True)
     (tmp_path / "run" / ".gradmesh-run").write_text("{}")
-    (step / "trainer_state.json").write_text(json.dumps({"step": 3}))  # no checksums: verify() lets it through
     metadata = Metadata(state_dict_metadata={"model.wte.weight": payload})
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    sealed = integrity.seal({"step": 3, "sampler": {}}, step)  # intact: what it names is only met on reading it
+    (step / "trainer_state.json").write_text(json.dumps(sealed))
     return tmp_path / "run", name, proof
 
 

@@ -1,6 +1,7 @@
 """`gradmesh export`: one unsharded safetensors file from a checkpoint of any strategy and world size."""
 
 import argparse
+import sys
 
 from gradmesh.cli.options import existing_run_dir, integer
 from gradmesh.paths import checked
@@ -20,6 +21,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     checked(args.out, "--out", "a path for the new .safetensors file", missing_ok=True)
     from gradmesh.export import export  # torch: only once the input is known to be good
 
-    path, count = export(run_dir, args.out, args.step)
+    path, count = export(run_dir, args.out, args.step, warn=lambda note: print(note, file=sys.stderr))
     print(f"wrote {count} tensors from {path} to {args.out}")
     return 0

@@ -1,12 +1,15 @@
 """Checkpoints through torch.distributed.checkpoint (DCP), published atomically.
 
 Layout: `RUN_DIR/checkpoints/step-N/` holds DCP's shard files and `.metadata`, plus
-`trainer_state.json` (step, sampler position, the config that shapes model and data, and a
-size and CRC-32 for every file). Each rank writes its own shard into `.tmp-step-N/`; only when
-every rank has finished does rank 0 add trainer_state.json and rename the folder to `step-N`.
-A rename is atomic on one file system, so a crash mid-write leaves a `.tmp-*` folder that is
-ignored and cleaned up later. A published checkpoint damaged afterwards (a truncated or
-altered file) fails its checksums and the newest intact one is used instead, with a warning.
+`trainer_state.json` (step, sampler position, the config that shapes model and data, and the
+checksums of every file, its own included: fault.integrity). Each rank writes its own shard
+into `.tmp-step-N/`; only when every rank has finished does rank 0 add trainer_state.json and
+rename the folder to `step-N`. A rename is atomic on one file system, so a crash mid-write
+leaves a `.tmp-*` folder that is ignored and cleaned up later. A published checkpoint damaged
+afterwards (a truncated, altered or unsealed file) fails verification and the newest intact one
+is used instead, with a one-line note (`latest_good_checkpoint`). Every file and folder is
+recorded in the run's manifest before it is made, and removed only through it (pruning, a
+rewrite of the same step), so a user's files among the checkpoints are never deleted.
 
 State dicts are keyed by fully qualified parameter names whatever the strategy (the step
 engine's `checkpoint_state`, which asks the strategy registry), and DCP reshards on load, so a
@@ -15,8 +18,7 @@ checkpoint written by any strategy at any world size loads under any other.
 
 import json
 import os
-import shutil
-import zlib
+import re
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -26,10 +28,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from gradmesh import manifest
 from gradmesh.fault import safeload
+from gradmesh.fault.integrity import STATE_FILE, file_digests, seal, verify  # noqa: F401 (the checkpoint API)
 from gradmesh.files import fsync_dir
 
-STATE_FILE = "trainer_state.json"
+STEP_FOLDER = re.compile(r"step-(0|[1-9][0-9]*)")
+"""A published checkpoint's folder: ASCII digits as `str(step)` writes them (never `step-²`, `step-05`)."""
 
 
 class CheckpointError(RuntimeError):
@@ -50,7 +55,7 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.glob("step-*")
-             if p.name[5:].isdigit() and (p / STATE_FILE).is_file() and (p / ".metadata").is_file()]
+             if STEP_FOLDER.fullmatch(p.name) and (p / STATE_FILE).is_file() and (p / ".metadata").is_file()]
     return sorted(found, key=_step_of, reverse=True)
 
 
@@ -63,40 +68,11 @@ def read_state(path: Path) -> dict:
     return json.loads((path / STATE_FILE).read_text())
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def file_digests(folder: Path) -> dict[str, list[int]]:
-    return {p.name: [p.stat().st_size, _crc32(p)] for p in sorted(folder.iterdir())
-            if p.is_file() and p.name != STATE_FILE}
-
-
-def verify(path: Path) -> str | None:
-    """None if the checkpoint is intact, else what is wrong with it."""
-    try:
-        expected = read_state(path).get("files")
-    except (OSError, ValueError) as exc:
-        return f"{STATE_FILE} unreadable ({exc})"
-    if expected is None:
-        return None  # written before checksums existed
-    for name, (size, crc) in expected.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != size:
-            return f"{name} has {file.stat().st_size} bytes, expected {size}"
-        if _crc32(file) != crc:
-            return f"{name} fails its checksum"
-    return None
-
-
 def latest_good_checkpoint(run_dir: str | Path, warn=print) -> Path | None:
-    """Newest checkpoint that passes verification; damaged newer ones are reported via warn."""
+    """The checkpoint to go back to: the newest one of `run_dir` that passes `verify` (every file,
+    the state file included, matches its checksums), or None when there is none. Each damaged
+    newer one is skipped with one line to `warn`. Resume, restarts, export and rollback all
+    choose through this one function."""
     for path in complete_checkpoints(run_dir):
         problem = verify(path)
         if problem is None:
@@ -128,8 +104,7 @@ class Checkpointer:
         self.wait()  # one write in flight at a time
         tmp = self.root / f".tmp-step-{step}"
         if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            self._make_folder(tmp)
         dist.barrier(group=self.group)
         payload = source.checkpoint_state()
         # Fault injection's kill lands here: the other ranks are inside DCP's collectives, so a
@@ -165,25 +140,56 @@ class Checkpointer:
         dist.barrier(group=self.group)  # every rank's shard is on disk
         if self.is_main:
             tmp, final = self.root / f".tmp-step-{step}", self.root / f"step-{step}"
-            state = dict(state, files=file_digests(tmp))
+            state = seal(state, tmp)
+            manifest.record(self.run_dir, final, kind="dir")
+            manifest.record(self.run_dir, *(final / name for name in [*state["files"], STATE_FILE]))
             with open(tmp / STATE_FILE, "w") as handle:
                 json.dump(state, handle, indent=1)
                 handle.flush()
                 os.fsync(handle.fileno())
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            self._remove(final.name)  # this step written before (a rerun after a restart)
+            try:
+                os.replace(tmp, final)
+            except OSError as exc:  # a user's file kept it from going
+                raise CheckpointError(f"cannot publish {final}: {exc.strerror}; move its content away") from None
             fsync_dir(self.root)
-            self._prune()
+            self._prune(final)
         dist.barrier(group=self.group)
 
-    def _prune(self) -> None:
+    @property
+    def run_dir(self) -> Path:
+        return self.root.parent
+
+    def _make_folder(self, tmp: Path) -> None:
+        """An empty working folder for one write, recorded as gradmesh's whole before it exists."""
+        if not self.root.is_dir():
+            manifest.record(self.run_dir, self.root, kind="dir")
+            self.root.mkdir(parents=True, exist_ok=True)
+        self._remove(tmp.name)
+        manifest.record(self.run_dir, tmp, kind="tree")
+        try:
+            tmp.mkdir()
+        except FileExistsError:
+            raise CheckpointError(f"{tmp} is in the way and not listed as gradmesh's in the run's manifest; "
+                                  "move it away") from None
+
+    def _remove(self, name: str) -> None:
+        manifest.remove(self.run_dir, under=f"{self.root.name}/{name}")
+
+    def _prune(self, published: Path | None = None) -> None:
+        """Drop abandoned writes, and checkpoints older than the `keep` newest intact ones:
+        damaged ones are never counted, so the newest intact checkpoint is never removed."""
         for stale in self.root.glob(".tmp-step-*"):
             if self.pending is None or stale.name != f".tmp-step-{self.pending[0]}":
-                shutil.rmtree(stale, ignore_errors=True)
-        if self.keep > 0:
-            for old in complete_checkpoints(self.root.parent)[self.keep:]:
-                shutil.rmtree(old, ignore_errors=True)
+                self._remove(stale.name)
+        if self.keep <= 0:
+            return
+        intact = 0
+        for path in complete_checkpoints(self.run_dir):
+            if intact >= self.keep:
+                self._remove(path.name)
+            elif path == published or verify(path) is None:  # the one just sealed is not read again
+                intact += 1
 
     def load(self, path: Path, target) -> dict:
         """Load model and optimizer state in place from `path`; returns its trainer state."""

@@ -7,7 +7,8 @@ dataclasses, torch.Size, dtypes and a layout, so `SafeReader` admits exactly tho
 real checkpoint asks for) and refuses anything else by name. DCP's default planner also loads
 non-tensor entries with `torch.load(weights_only=False)`; `SafePlanner` first makes them pass
 `weights_only=True`. `load` hands both to `dcp.load`, so every read of a checkpoint goes
-through them (DESIGN.md contract 8).
+through them (DESIGN.md contract 8). The metadata also names each shard's file, which DCP opens
+relative to the checkpoint: a name that is not a plain file name of that folder is refused too.
 """
 
 import pickle
@@ -57,10 +58,19 @@ class SafeReader(dcp.FileSystemReader):
             metadata = _MetadataUnpickler(stream, path).load()
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpoint(f"checkpoint metadata {path} holds a {type(metadata).__name__}, not DCP metadata")
+        _check_confined(metadata, path)
         if metadata.storage_meta is None:  # as torch's own read_metadata does
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_confined(metadata: Metadata, path) -> None:
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+            raise UnsafeCheckpoint(f"checkpoint metadata {path} names shard file {name!r}, outside the checkpoint's "
+                                   "folder (gradmesh reads only plain file names there)")
 
 
 class SafePlanner(DefaultLoadPlanner):

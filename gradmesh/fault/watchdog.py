@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from gradmesh import env
+from gradmesh import env, manifest
 from gradmesh.config.fault import AUTO_STEP_TIMEOUT, AUTO_TIMEOUT_CAP, auto_timeout
 from gradmesh.fault import inplace
 from gradmesh.files import open_append
@@ -149,6 +149,7 @@ class Watchdog:
 
     def _report(self, first: bool) -> None:
         if self.run_dir:
+            manifest.record_new(self.run_dir / f"stacks-rank{self.rank}.txt")
             with open(self.run_dir / f"stacks-rank{self.rank}.txt", "w") as f:
                 faulthandler.dump_traceback(file=f, all_threads=True)
         if first and self.watch_store and not self.inplace:

@@ -3,7 +3,10 @@
 Both run on rank 0 only, from the rows the step reporter has gathered from every rank.
 """
 
+import os
 from pathlib import Path
+
+from gradmesh import manifest
 
 
 class TensorBoardExporter:
@@ -12,17 +15,37 @@ class TensorBoardExporter:
     def __init__(self, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.run_dir, self.folder = run_dir, run_dir / "tensorboard"
+        manifest.record_new(self.folder, kind="dir")
+        self.seen = self._present()  # a user's files already there stay theirs
+        self.writer = SummaryWriter(log_dir=str(self.folder))
+        self.series: set[str] = set()
+        self._record_made()
+
+    def _present(self) -> set[Path]:
+        return {Path(top, name) for top, dirs, files in os.walk(self.folder) for name in dirs + files}
+
+    def _record_made(self) -> None:
+        """The writers name their event files (time, host, pid) as they create them, and
+        add_scalars makes a folder and writer per series on its first value: recorded just after."""
+        made = sorted(self._present() - self.seen, key=lambda p: len(p.parts))
+        for path in made:
+            manifest.record(self.run_dir, path, kind="dir" if path.is_dir() else "file")
+        self.seen |= set(made)
 
     def write(self, row: dict) -> None:
         step = row["step"]
         for key in ("loss", "lr", "samples_per_s", "step_time_s", "imbalance"):
             if row.get(key) is not None:
                 self.writer.add_scalar(f"train/{key}", row[key], step)
+        series = {f"{phase}/{len(per_rank)}" for phase, per_rank in row.get("breakdown", {}).items()}
         for phase, per_rank in row.get("breakdown", {}).items():
             self.writer.add_scalars(f"breakdown/{phase}", {f"rank{r}": v for r, v in enumerate(per_rank)}, step)
         for r, peak in enumerate(row.get("peak_memory_bytes", [])):
             self.writer.add_scalar(f"memory/peak_bytes_rank{r}", peak, step)
+        if not series <= self.series:
+            self.series |= series
+            self._record_made()
 
     def close(self) -> None:
         self.writer.close()

@@ -3,7 +3,9 @@ paper, or to read where no browser can reach the dashboard.
 
 matplotlib figures are drawn on the Agg canvas directly (no pyplot): no display is needed and
 no global backend state is touched in a process that may be plotting something else.
-matplotlib is imported only once there is something to plot.
+matplotlib is imported only once there is something to plot. The page and the plots are
+recorded in the run's manifest and written atomically; a `report/` that is a symlink is refused,
+and only plots the manifest lists are ever removed (DESIGN.md contract 9).
 """
 
 import html
@@ -11,8 +13,9 @@ import math
 import time
 from pathlib import Path
 
+from gradmesh import manifest
 from gradmesh.errors import UsageError
-from gradmesh.files import atomic_write, read_jsonl
+from gradmesh.files import atomic_write, read_jsonl, replacing
 from gradmesh.monitor import runfiles
 
 COLORS = {"data": "#8c6bb1", "forward": "#4c78a8", "backward": "#72b7b2", "comm": "#f58518",
@@ -37,10 +40,15 @@ def _figure(title: str, ylabel: str, xlabel: str = "step"):
     return fig, ax
 
 
+def _save(fig, path: Path) -> None:
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format="png")
+
+
 def plot_loss(rows: list[dict], path: Path) -> None:
     fig, ax = _figure("Loss", "loss")
     ax.plot([r["step"] for r in rows], [_number(r.get("loss")) for r in rows], color="#4c78a8", linewidth=1.6)
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def plot_throughput(rows: list[dict], path: Path) -> None:
@@ -52,7 +60,7 @@ def plot_throughput(rows: list[dict], path: Path) -> None:
                    color="#d62728", s=16, zorder=3, label="straggler flagged")
         ax.legend(frameon=False)
     ax.set_ylim(bottom=0)
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def plot_staleness(rows: list[dict], path: Path) -> None:
@@ -63,7 +71,7 @@ def plot_staleness(rows: list[dict], path: Path) -> None:
     ax.plot(steps, [_number(r.get("staleness_mean")) for r in rows], color="#4c78a8", linewidth=1.6, label="mean")
     ax.set_ylim(bottom=0)
     ax.legend(frameon=False)
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def plot_breakdown(means: dict[str, list[float]], path: Path) -> None:
@@ -75,7 +83,7 @@ def plot_breakdown(means: dict[str, list[float]], path: Path) -> None:
         ax.bar(ranks, heights, bottom=bottom, color=COLORS[phase], label=phase, width=0.6)
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1, 1))
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def plot_memory(peak: list[int], state: list[int], path: Path) -> None:
@@ -90,7 +98,7 @@ def plot_memory(peak: list[int], state: list[int], path: Path) -> None:
     ax.set_xticks(range(ranks), [f"rank {i}" for i in range(ranks)])
     if series:
         ax.legend(frameon=False)
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def _number(value) -> float:
@@ -134,14 +142,17 @@ def write_report(run_dir: str | Path) -> Path:
         raise UsageError(f"{str(run_dir / 'metrics.jsonl')!r} has no steps yet; report again once training has logged one")
     summary = runfiles.read_summary(run_dir)
     out = run_dir / "report"
-    out.mkdir(exist_ok=True)
+    _refuse_links(out, run_dir / "report.html")
+    if not out.is_dir():
+        manifest.record_new(out, kind="dir")
+        out.mkdir()
     plot_loss(rows, out / "loss.png")
     plot_throughput(rows, out / "throughput.png")
     means = runfiles.mean_breakdown(rows)
     if means:
         plot_breakdown(means, out / "breakdown.png")
     else:
-        (out / "breakdown.png").unlink(missing_ok=True)  # an older run's plot would mislead
+        manifest.remove(run_dir, under="report/breakdown.png")  # an older run's plot would mislead
     peak = (summary or {}).get("peak_memory_bytes") or rows[-1].get("peak_memory_bytes") or []
     plot_memory(peak, rows[-1].get("model_state_bytes") or [], out / "memory.png")
     stale = "staleness_max" in rows[-1]
@@ -151,6 +162,13 @@ def write_report(run_dir: str | Path) -> Path:
     page = run_dir / "report.html"
     atomic_write(page, _html(run_dir, rows, summary, plots, read_jsonl(run_dir / "alerts.jsonl")))
     return page
+
+
+def _refuse_links(*paths: Path) -> None:
+    for path in paths:
+        if path.is_symlink():
+            raise UsageError(f"{str(path)!r} is a symbolic link; gradmesh report never writes or deletes through a "
+                             "link: remove it and report again")
 
 
 def _html(run_dir: Path, rows, summary, plots: list[str], alerts: list[dict]) -> str:
