@@ -219,15 +219,21 @@ class Topology:
         raise KeyError(f"no process group named {name!r}; this topology has world, "
                        f"{', '.join(self.mesh_shape)} and {', '.join(self.side_groups) or 'no side groups'}")
 
-    def side_group(self, name: str) -> dist.ProcessGroup:
+    def side_group(self, name: str, waits_on_peers: bool = False) -> dist.ProcessGroup:
         """A gloo group over every rank, kept apart from training's traffic (metrics, checkpoint
         coordination). Collective the first time a name is asked for: every rank asks in the
-        same order. gloo takes CPU tensors even where training runs on NCCL."""
+        same order. gloo takes CPU tensors even where training runs on NCCL.
+
+        `waits_on_peers`: its receives wait for other ranks' work by design (a parameter server's
+        wire: a sync worker waits for the slowest share); they keep torch's default timeout and
+        the group's own watchdog (the dispatcher) names a hung peer."""
         if name not in self.side_groups:
-            # The world group's timeout, not torch's 30-minute default for new groups: under in-place
-            # recovery a side group's collective (a checkpoint's, the replica check's) whose peer died
-            # mid-way must fail within the same bound, or the survivors wait there instead of regrouping.
-            self.side_groups[name] = dist.new_group(backend="gloo", timeout=_collective_timeout())
+            # Otherwise the world group's timeout, not torch's 30-minute default for new groups: under
+            # in-place recovery a side group's collective (a checkpoint's, the replica check's) whose
+            # peer died mid-way must fail within the same bound, or the survivors wait there instead
+            # of regrouping.
+            timeout = None if waits_on_peers else _collective_timeout()
+            self.side_groups[name] = dist.new_group(backend="gloo", timeout=timeout)
         return self.side_groups[name]
 
     def rejoin(self, rank: int, world_size: int, generation: int) -> "Topology":

@@ -17,7 +17,9 @@ TOLERANCE = 1e-5
 
 
 def alerts(run_dir):
-    return [json.loads(line) for line in (run_dir / "alerts.jsonl").read_text().splitlines()]
+    """The run's non-finite alerts (a straggler alert may come too on 2 shared cores)."""
+    rows = [json.loads(line) for line in (run_dir / "alerts.jsonl").read_text().splitlines()]
+    return [row for row in rows if row["kind"] == "nonfinite"]
 
 
 def test_a_huge_learning_rate_stops_the_run_with_one_line_and_no_nan_weights(tmp_path):
@@ -99,3 +101,20 @@ def test_the_check_names_the_first_non_finite_gradient():
     assert (found.step, found.loss_ranks, found.gradient_ranks, found.gradient) == (7, [], [0], "1.weight")
     found = check(model, torch.tensor(float("nan")), None, 0, 1, step=8)
     assert found.loss_ranks == [0] and "loss on rank(s) 0" in found.alert("stop", "x")["message"]
+
+
+def test_parameter_servers_refuse_a_non_finite_push_and_skip_its_step_as_ddp_does(skipped_runs, tmp_path):
+    """Sync ps is single-process training: with rank 1's push at step 5 refused under skip, the
+    servers end on the model the 2-rank ddp run skipping step 5 ends on."""
+    train(tmp_path, 3, *DIGITS, "--strategy", "ps", "--on-nonfinite", "skip", "--inject", "nan:rank=1,step=5",
+          tiny=False)
+    (alert,) = alerts(tmp_path)
+    assert alert["step"] == 5 and "pushed by worker rank 1" in alert["push"]
+    assert metrics(tmp_path)[4]["skipped"] == "nonfinite"
+    assert rel_l2(weights(tmp_path), weights(skipped_runs["skip"])) <= TOLERANCE
+
+
+def test_a_huge_learning_rate_under_parameter_servers_stops_too(tmp_path):
+    result = train(tmp_path, 3, *DIGITS, "--strategy", "ps", "--lr", "1e30", tiny=False, check=False)
+    assert result.returncode == 4 and "refused by the parameter servers" in result.stderr, result.stderr
+    assert not (tmp_path / "model.safetensors").exists()

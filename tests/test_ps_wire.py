@@ -65,7 +65,8 @@ def serving(bound, tables=(), dispatcher=True):
     from gradmesh.engine.ps.server import Server
 
     job = SimpleNamespace(train=TrainConfig(global_batch_size=8, grad_clip=0.0), optimizer_class=torch.optim.SGD,
-                          optimizer_kwargs={"lr": 0.1}, step_timeout=0, membership=None)
+                          optimizer_kwargs={"lr": 0.1}, step_timeout=0, membership=None,
+                          on_nonfinite="stop")
     server = Server(0, (0, 8), [(0, 4), (4, 8)], torch.zeros(8), RecordingWire(), job, bound, None, list(tables))
     sampler = GlobalOrderSampler(64, 8, seed=0)
     segment = Segment([sampler.next_global() for _ in range(2)], workers=2)

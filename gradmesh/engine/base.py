@@ -169,7 +169,8 @@ class Engine:
     def step(self, batch: GlobalBatch, probe: StepProbe) -> StepOutcome:
         lr = self._set_lr(batch.step)
         loss_sum, counted, indices = self.forward_backward(batch, probe)
-        found = self.find_nonfinite(loss_sum, batch.step + 1)
+        with probe.clock.phase("comm"):  # one small all-reduce: the ranks wait for each other here
+            found = self.find_nonfinite(loss_sum, batch.step + 1)
         if found is not None:  # no rank applies any of it, whatever the policy then does
             return self._unapplied(batch, lr, loss_sum, counted, indices, found)
         with probe.clock.phase("optimizer"):

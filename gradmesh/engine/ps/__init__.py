@@ -86,7 +86,7 @@ class ParameterServerEngine(SegmentReport):
         server_ranks = [self.roles.server_rank(s) for s in range(self.roles.servers)]
         servers_group = dist.new_group(server_ranks, backend="gloo")  # every rank takes part in making it
         self.workers_group = dist.new_group(list(range(self.roles.workers))) if self.hybrid else None
-        self.wire = Wire(topology.side_group("ps"), topology.group("world"), self.job.counter)
+        self.wire = Wire(topology.side_group("ps", waits_on_peers=True), topology.group("world"), self.job.counter)
         return servers_group
 
     def rebuild(self, topology: Topology) -> None:
