@@ -54,6 +54,8 @@ class Server(Applying):
         self.stats: dict[int, list[float]] = {}
         self.failed: set[int] = set()
         """Workers a send or receive failed with (they died), handled between messages."""
+        self.slowest_share = 0.0
+        """--step-timeout auto: the longest any share of the run was held, across segments."""
         self.clock = RoleClock("server")
 
     def state_bytes(self) -> int:
@@ -199,7 +201,7 @@ class Server(Applying):
         """--step-timeout in seconds; auto: from the longest any share of the run was held."""
         if self.job.step_timeout > 0:
             return self.job.step_timeout
-        self.slowest_share = max(getattr(self, "slowest_share", 0.0), self.dispatcher.longest)
+        self.slowest_share = max(self.slowest_share, self.dispatcher.longest)
         return auto_timeout(self.slowest_share)
 
     def _stop_hung(self, overdue: list[tuple[int, tuple[int, int]]]) -> None:
