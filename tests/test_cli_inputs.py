@@ -143,3 +143,13 @@ def test_report_of_metrics_with_odd_types_plots_what_it_can(inputs, cli):
     result = cli("report", str(run))
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert (run / "report.html").is_file()
+
+
+def test_a_lock_file_linked_to_a_device_is_refused_not_truncated(inputs, cli):
+    """The lock file is written and truncated: never through a link (it had been an EINVAL traceback)."""
+    run = inputs / "locked"
+    run.mkdir()
+    os.symlink("/dev/zero", run / ".gradmesh-lock")
+    before = snapshot(inputs)
+    assert_usage_error(cli("train", "--run-dir", str(run), "--data", "small.txt"), ".gradmesh-lock", "remove it")
+    assert snapshot(inputs) == before
