@@ -153,3 +153,16 @@ def test_a_lock_file_linked_to_a_device_is_refused_not_truncated(inputs, cli):
     before = snapshot(inputs)
     assert_usage_error(cli("train", "--run-dir", str(run), "--data", "small.txt"), ".gradmesh-lock", "remove it")
     assert snapshot(inputs) == before
+
+
+def test_a_folder_corpus_is_read_lazily_in_sorted_path_order(tmp_path):
+    """Found as read (a huge folder is not listed whole first), in the order sorted(rglob) gave:
+    the corpus, and so the vocabulary of a resumed run, stays what it was."""
+    from gradmesh.data.corpus import load_text
+
+    for name in ("a/sub/y", "a/x", "a-", "a0/z", "b/w", "c", ".h/q", "a/.hid"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    (tmp_path / "b" / "link").symlink_to("../c")
+    (tmp_path / "b" / "dirlink").symlink_to("../a")  # links to folders are not followed
+    assert load_text(str(tmp_path), 1000).split("\n") == ["a/sub/y", "a/x", "a-", "a0/z", "c", "b/w", "c"]
