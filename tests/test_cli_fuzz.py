@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import io
 import os
+import shutil
 import subprocess
 import tempfile
 from itertools import count
@@ -26,7 +27,7 @@ from gradmesh.cli import train as train_command
 from test_cli_errors import snapshot
 
 # The same examples on every run (derandomize); FUZZ_N=2000 explores afresh, with more of them.
-FUZZ = settings(max_examples=int(os.environ.get("FUZZ_N", 120)), deadline=None, derandomize=not os.environ.get("FUZZ_N"),
+FUZZ = settings(max_examples=int(os.environ.get("FUZZ_N", 150)), deadline=None, derandomize=not os.environ.get("FUZZ_N"),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 # Values that broke something once, or sit on an edge: other scripts' digits, int()'s 4300-digit
 # limit, NaN and infinity, a NUL, a folder level past 255 bytes, and every syntax a flag takes.
@@ -114,7 +115,8 @@ def _patched(owner, name, value):
 
 
 def check(folder: Path, args: list[str], data: list[str] = ["--data", "small.txt"]) -> None:
-    argv = ["train", "--run-dir", f"runs/{next(runs)}", *data, *args]
+    run_dir = folder / "runs" / str(next(runs))
+    argv = ["train", "--run-dir", str(run_dir.relative_to(folder)), *data, *args]
     before = snapshot(folder)
     code, stderr = _call(folder, argv)
     assert code in (0, 2), (argv, code, stderr)
@@ -122,6 +124,7 @@ def check(folder: Path, args: list[str], data: list[str] = ["--data", "small.txt
     if code == 2:
         assert stderr.count("\n") >= 1 and stderr.strip().splitlines()[-1].startswith("gradmesh: error: "), (argv, stderr)
         assert snapshot(folder) == before, argv
+    shutil.rmtree(run_dir, ignore_errors=True)  # the folder stays small: it is listed twice per example
 
 
 @FUZZ
