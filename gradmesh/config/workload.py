@@ -15,8 +15,8 @@ LIMITS = {"n_layer": MODULES, "tables": MODULES, "n_embd": WIDTH, "n_head": WIDT
           "block_size": 2**24, "rows": 2**40}
 """Upper bounds of the model's size knobs. Blocks and tables are Python modules, built (on the meta
 device) before launch to check the model fits: 10^5 blocks take minutes there (GPT-3 has 96
-blocks, Criteo's click log 26 tables). Widths and lengths past these overflow torch's 64-bit
-element counts before the memory check can say the model does not fit."""
+blocks, Criteo's click log 26 tables). Widths and lengths stay far below where their products
+overflow torch's 64-bit element counts (an error inside torch, not the memory check's one line)."""
 MAX_CHARS = 100_000_000
 """data.max_chars at most: every rank holds the corpus as 8-byte tokens (~800 MB at the bound)."""
 
