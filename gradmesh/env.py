@@ -7,7 +7,13 @@ and lets a test see the whole of it.
 """
 
 import os
+import re
 from dataclasses import dataclass
+
+from gradmesh.errors import UsageError
+
+
+OMP_THREADS = re.compile(r"([0-9]{1,6})(?:,[0-9]{1,6})*")
 
 
 @dataclass(frozen=True)
@@ -64,9 +70,16 @@ def set_collective_timeout(seconds: float) -> None:
 
 
 def omp_threads() -> int | None:
-    """The user's OMP_NUM_THREADS, when it is a positive whole number."""
-    text = os.environ.get("OMP_NUM_THREADS", "")
-    return int(text) if text.isdigit() and int(text) > 0 else None
+    """The user's OMP_NUM_THREADS (its first level: OpenMP also takes a list, e.g. 4,2); None when
+    unset. Anything else ("²", "four", "0") is a UsageError, which the CLI meets before launch."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not text:
+        return None
+    found = OMP_THREADS.fullmatch(text)  # not str.isdigit(): it takes "²", which int() refuses
+    if not found or int(found[1]) < 1:
+        raise UsageError(f"OMP_NUM_THREADS={text[:40]!r} in the environment: expected a whole number of threads "
+                         "per worker from 1 to 999999 (e.g. 4), or leave it unset (gradmesh then shares out the cores)")
+    return int(found[1])
 
 
 def set_omp_threads(threads: int) -> None:
@@ -96,7 +109,7 @@ def mark_launcher() -> None:
 
 def launcher_pid() -> int | None:
     text = os.environ.get("GRADMESH_LAUNCHER_PID", "")
-    return int(text) if text.isascii() and text.isdigit() else None
+    return int(text) if re.fullmatch(r"[0-9]{1,18}", text) else None
 
 
 def keep_on_interface(interface: str, override: bool = False) -> None:

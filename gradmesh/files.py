@@ -11,21 +11,60 @@ No torch here: the CLI, the run directory and the monitor all import it.
 
 import json
 import os
+import re
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from gradmesh import manifest
+from gradmesh.errors import UsageError
+from gradmesh.paths import describe
 
 TMP_PREFIX = ".gradmesh-tmp-"
 """Temporary files start so, under rundir.OWN_PREFIX: a crash's leftovers are known as gradmesh's."""
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Every complete, well-formed line of a JSONL file; [] when it does not exist yet."""
+READ_LIMIT = 512 * 2**20
+"""The most of one run file gradmesh reads (metrics.jsonl of a long run with many ranks stays well below)."""
+
+
+def read_regular(path: str | Path, limit: int | None = None) -> bytes:
+    """The bytes of a regular file (a link to one too); FileNotFoundError when there is none."""
+    limit = READ_LIMIT if limit is None else limit
+    with os.fdopen(open_regular(path, limit), "rb") as handle:
+        return handle.read(limit)  # a file still growing is cut at the limit too
+
+
+def open_regular(path: str | Path, limit: int | None = None) -> int:
+    """A descriptor to read a regular file, FileNotFoundError when there is none. Anything else where
+    a run file belongs (a FIFO, /dev/zero, a folder, a socket) or a file over `limit` (READ_LIMIT)
+    is a UsageError: reading it could block, never end, or fill the memory."""
+    limit = READ_LIMIT if limit is None else limit
     try:
-        data = Path(path).read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO to read would wait for a writer
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # a socket (ENXIO), no permission, a loop of links
+        raise UsageError(f"{str(path)!r} cannot be read ({exc.strerror}); gradmesh reads only regular files in a run "
+                         "dir") from None
+    info = os.fstat(fd)  # of what was opened: no race with a rename between a check and the read
+    if stat.S_ISREG(info.st_mode) and info.st_size <= limit:
+        return fd
+    os.close(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise UsageError(f"{str(path)!r} is {describe(info.st_mode)}; gradmesh reads only regular files in a run "
+                         "dir: remove it (or put the file itself there)")
+    raise UsageError(f"{str(path)!r} has {info.st_size:,} bytes, more than the {limit:,} gradmesh reads of one "
+                     "run file; move it away")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every complete, well-formed line of a JSONL file; [] when it does not exist yet (read_regular's
+    UsageError when it is no regular file or too big)."""
+    try:
+        data = read_regular(path)
     except FileNotFoundError:
         return []
     return parse_jsonl(data)
@@ -80,7 +119,7 @@ def abandoned_temporaries(folder: Path) -> list[Path]:
     found = []
     for path in Path(folder).glob(f"{TMP_PREFIX}*"):
         pid = path.name.rsplit("-", 2)[-2] if path.name.count("-") >= 2 else ""
-        if not (pid.isascii() and pid.isdigit() and _alive(int(pid))):
+        if not (re.fullmatch(r"[0-9]{1,9}", pid) and _alive(int(pid))):
             found.append(path)
     return found
 

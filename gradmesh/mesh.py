@@ -1,5 +1,6 @@
 """Names of the device mesh's axes and the `--mesh` syntax (no torch: the CLI checks it at once)."""
 
+from gradmesh.config.checks import whole
 from gradmesh.errors import UsageError
 
 MESH_AXES = ("dp", "fsdp", "pp", "tp", "ps")
@@ -13,7 +14,7 @@ def parse_mesh(text: str, supported: tuple[frozenset, ...]) -> dict[str, int]:
     shape: dict[str, int] = {}
     for part in text.split(","):
         axis, sep, size = part.strip().partition("=")
-        if not sep or axis not in MESH_AXES or not size.isdigit() or int(size) < 1 or axis in shape:
+        if not sep or axis not in MESH_AXES or not whole(size) or int(size) < 1 or axis in shape:
             raise UsageError(f"--mesh {text!r}: each part must be AXIS=N with AXIS one of "
                              f"{', '.join(MESH_AXES)} (each once), e.g. dp=2,tp=2")
         shape[axis] = int(size)

@@ -12,10 +12,13 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
 from gradmesh.errors import UsageError
+from gradmesh.files import read_regular
+from gradmesh.paths import describe
 
 LOCK = ".gradmesh-lock"
 NAMING_S = 2.0
@@ -24,8 +27,8 @@ NAMING_S = 2.0
 
 def _holder(path: Path) -> dict:
     try:
-        holder = json.loads(path.read_text())
-    except (OSError, ValueError):
+        holder = json.loads(read_regular(path, limit=4096))
+    except (OSError, ValueError, UsageError):
         return {}
     return holder if isinstance(holder, dict) else {}
 
@@ -53,14 +56,14 @@ class RunLock:
 
     def check(self) -> None:
         """Refuse (UsageError naming the holder) when a live rival holds the lock; takes nothing."""
-        if self.path.exists():
+        if os.path.lexists(self.path):
             self.acquire()
             self.release()
 
     def acquire(self) -> "RunLock":
         self.run_dir.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -78,6 +81,20 @@ class RunLock:
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "job": self.job}).encode())
         self.fd = fd
         return self
+
+    def _open(self) -> int:
+        """The lock file, never through a link and only as a regular file: it is written and
+        truncated (a link to /dev/zero had the truncate fail with EINVAL, a traceback)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as exc:  # ELOOP: a link; ENXIO: a socket
+            raise UsageError(f"{str(self.path)!r} cannot be opened as gradmesh's lock file ({exc.strerror}); it is "
+                             "gradmesh's own: remove it (or give another --run-dir)") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UsageError(f"{str(self.path)!r} is {describe(os.lstat(self.path).st_mode)}, not gradmesh's lock file; "
+                             "remove it (or give another --run-dir)")
+        return fd
 
     def _named_holder(self) -> dict:
         """The holder as its file names it. A holder writes its name just after taking the lock,

@@ -171,9 +171,11 @@ def resolve_config(args: argparse.Namespace) -> configuration.Config:
 
 def launch_shape(launch: configuration.LaunchConfig) -> tuple[str, int]:
     """(device, workers on this machine), with --nproc auto settled."""
+    from gradmesh import env
     from gradmesh.launch.network import check_node
     from gradmesh.topology import auto_nproc, resolve_device
 
+    env.omp_threads()  # the workers' thread count: a bad value is refused here, not at launch
     if launch.rdzv_endpoint:  # several machines: an endpoint that resolves, an interface this one has
         check_node(launch.rdzv_endpoint, launch.iface)
     device = resolve_device(launch.device)

@@ -59,7 +59,8 @@ def _add_how_options(train: argparse.ArgumentParser) -> None:
     how.add_argument("--ps-servers", type=integer, metavar="S", help="--strategy ps or hybrid: ranks that hold the parameters (hybrid: the sparse tables; default 1)")
     how.add_argument("--ps-mode", metavar="MODE", help="--strategy ps or hybrid: sync, async (ps) or ssp:K (default sync)")
     how.add_argument("--ps-shares", type=integer, metavar="N", help="--strategy ps, async and ssp:K >= 1: shares per worker "
-                     "per step, each its own update (default 2; more: smaller updates, less staleness)")
+                     "per step, each its own update (default 2; at most 64 and the samples per worker; more: smaller "
+                     "updates, less staleness)")
     how.add_argument("--pp-schedule", choices=configuration.PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     how.add_argument("--microbatches", type=integer, metavar="M", help="micro-batches per pipeline step (default 4)")
     how.add_argument("--pp-split", metavar="UNIT,...", help="manual pipeline cut, e.g. h.2 (default: balanced by measured cost)")

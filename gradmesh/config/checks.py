@@ -2,10 +2,14 @@
 
 import dataclasses
 import math
+import re
 
 from gradmesh.errors import UsageError
 
 INT64 = 2**63
+WHOLE = re.compile(r"[0-9]{1,18}")
+"""A whole number in ASCII digits below 10^18: str.isdigit() takes every script's digits ("²" too,
+which int() refuses), and int() refuses more than 4300 digits."""
 
 
 def positive(section: str, name: str, value, allow_zero: bool = False) -> None:
@@ -37,14 +41,14 @@ def fraction(section: str, name: str, value: float, low: float = 0.0, high: floa
         raise UsageError(f"{section}.{name} must be in [{low:g}, {high:g}), got {value}")
 
 
-def _whole(text: str) -> bool:
-    return text.isascii() and text.isdigit()  # str.isdigit() takes every script's digits
+def whole(text: str) -> bool:
+    return WHOLE.fullmatch(text) is not None
 
 
 def trace_steps(text: str) -> None:
     """'A' or 'A:B' with 1 <= A <= B, in ASCII digits."""
     first, sep, last = text.partition(":")
-    if not (_whole(first) and (not sep or _whole(last))) or int(first) < 1 or (sep and int(last) < int(first)):
+    if not (whole(first) and (not sep or whole(last))) or int(first) < 1 or (sep and int(last) < int(first)):
         raise UsageError(f"--trace-steps {text!r}: expected A:B with 1 <= A <= B (steps to trace), e.g. 5:8")
 
 
@@ -53,7 +57,7 @@ def rendezvous(launch) -> None:
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
         raise UsageError("launch.nnodes > 1 needs --rdzv-endpoint HOST:PORT")
     host, _, port = launch.rdzv_endpoint.rpartition(":")
-    if launch.rdzv_endpoint and not (host and _whole(port) and 1 <= int(port) <= 65535):
+    if launch.rdzv_endpoint and not (host and whole(port) and 1 <= int(port) <= 65535):
         raise UsageError(f"--rdzv-endpoint {launch.rdzv_endpoint!r}: expected HOST:PORT with PORT from 1 to 65535, "
                          "e.g. 10.0.0.1:29400")
     if not -1 <= launch.node_rank < launch.nnodes:

@@ -2,10 +2,13 @@
 
 from dataclasses import dataclass
 
-from gradmesh.config.checks import finite, positive
+from gradmesh.config.checks import finite, positive, whole
 from gradmesh.errors import UsageError
 
 PS_MODES = ("sync", "async", "ssp:K")
+MAX_SHARES = 64
+"""ps.shares at most: each share is a pull and a push of the dense parameters (and a share of
+less than one sample is no work at all, so `check_ps` also bounds it by the samples per worker)."""
 
 
 def parse_ps_mode(text: str) -> int | None:
@@ -15,7 +18,7 @@ def parse_ps_mode(text: str) -> int | None:
     if text == "async":
         return None
     kind, sep, bound = text.partition(":")
-    if kind != "ssp" or not sep or not bound.isascii() or not bound.isdigit():
+    if kind != "ssp" or not sep or not whole(bound):
         raise UsageError(f"ps.mode {text!r} is not one of sync, async, ssp:K (K a whole number >= 0, e.g. ssp:2)")
     return int(bound)
 
@@ -32,7 +35,8 @@ class PSConfig:
     shares: int = 2
     """async and ssp:K >= 1: the shares each worker's part of a global batch is cut into, each its
     own update: smaller, more frequent updates with less staleness (sync keeps data parallelism's
-    one share per worker, and so do hybrid's workers, which all-reduce their dense part)."""
+    one share per worker, and so do hybrid's workers, which all-reduce their dense part). At most
+    64, and at most the samples each worker gets per step (global_batch_size / workers)."""
     predict: bool = True
     """async and ssp:K >= 1: workers compute on the parameters predicted for when their gradient
     lands (moved along their recent velocity by the updates expected meanwhile); false: as pulled."""
@@ -41,6 +45,9 @@ class PSConfig:
         finite(self)
         positive("ps", "servers", self.servers)
         positive("ps", "shares", self.shares)
+        if self.shares > MAX_SHARES:
+            raise UsageError(f"ps.shares must be 1..{MAX_SHARES} (each share is a pull and a push of the parameters), "
+                             f"got {self.shares}")
         parse_ps_mode(self.mode)
 
     @property

@@ -17,6 +17,7 @@ from gradmesh.config.fault import RECOVERY, FaultConfig  # noqa: F401 (re-export
 from gradmesh.config.ps import PSConfig
 from gradmesh.config.workload import DataConfig, ModelConfig
 from gradmesh.errors import UsageError
+from gradmesh.paths import check_name
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 OPTIMIZERS = ("adamw", "sgd")
@@ -209,6 +210,7 @@ class RunConfig:
     def __post_init__(self):
         if not self.dir.strip():
             raise UsageError("run.dir is empty: give --run-dir DIR, a folder for this run's files")
+        check_name(self.dir, "run.dir")
 
 
 @dataclass(kw_only=True)

@@ -7,8 +7,18 @@ from gradmesh.config.checks import finite as _finite
 from gradmesh.config.checks import one_of as _one_of
 from gradmesh.config.checks import positive as _positive
 from gradmesh.errors import UsageError
+from gradmesh.paths import check_name
 
 MODELS = ("gpt-char", "mlp-digits", "recsys")
+MODULES, WIDTH = 1024, 2**20
+LIMITS = {"n_layer": MODULES, "tables": MODULES, "n_embd": WIDTH, "n_head": WIDTH, "hidden": WIDTH, "dim": 2**16,
+          "block_size": 2**24, "rows": 2**40}
+"""Upper bounds of the model's size knobs. Blocks and tables are Python modules, built (on the meta
+device) before launch to check the model fits: 10^5 blocks take minutes there (GPT-3 has 96
+blocks, Criteo's click log 26 tables). Widths and lengths stay far below where their products
+overflow torch's 64-bit element counts (an error inside torch, not the memory check's one line)."""
+MAX_CHARS = 100_000_000
+"""data.max_chars at most: every rank holds the corpus as 8-byte tokens (~800 MB at the bound)."""
 
 
 @dataclass(kw_only=True)
@@ -48,6 +58,10 @@ class ModelConfig:
         _one_of("model", "name", self.name, MODELS)
         for name in ("n_layer", "n_head", "n_embd", "block_size", "hidden", "tables", "rows", "dim", "samples"):
             _positive("model", name, getattr(self, name))
+        for name, limit in LIMITS.items():
+            if getattr(self, name) > limit:
+                raise UsageError(f"model.{name} must be at most {limit:,} (a model built before launch to check that "
+                                 f"it fits), got {getattr(self, name):,}")
         if self.zipf <= 0:
             raise UsageError(f"model.zipf must be > 0 (a Zipf exponent; 1.1 is the default), got {self.zipf}")
         if self.rows < self.tables:
@@ -67,12 +81,17 @@ class DataConfig:
     path: str = ""
     """UTF-8 text file or folder of text files; empty means the Python standard library's source."""
     max_chars: int = 3_000_000
-    """Characters of corpus to use at most (the first ones, files in sorted order)."""
+    """Characters of corpus to use at most (the first ones, files in sorted order); at most 10^8."""
     eval_fraction: float = 0.1
     """Share of the corpus (its end) held out for eval loss."""
 
     def __post_init__(self):
         _finite(self)
+        if self.path:
+            check_name(self.path, "data.path")
         _positive("data", "max_chars", self.max_chars)
+        if self.max_chars > MAX_CHARS:
+            raise UsageError(f"data.max_chars must be at most {MAX_CHARS:,} (every rank holds the corpus in memory), "
+                             f"got {self.max_chars:,}")
         if not 0.0 < self.eval_fraction < 0.5:
             raise UsageError(f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")

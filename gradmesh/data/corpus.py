@@ -5,7 +5,9 @@ of the standard library (found through `sysconfig`), in sorted order, so every w
 machine builds the same text and the same vocabulary.
 """
 
+import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,16 +21,35 @@ def stdlib_files() -> list[Path]:
     return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
 
 
-def _text_files(path: Path) -> list[Path]:
+def _text_files(path: Path) -> Iterator[Path]:
+    """The files of `path` in sorted path order (as sorted(rglob) gives them), hidden ones left out,
+    found as they are read: a folder of a million files is not listed whole for its first few."""
     if path.is_file():
-        return [path]
-    files = [
-        p for p in sorted(path.rglob("*"))
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    ]
-    if not files:
+        yield path
+        return
+    found = False
+    for file in _walk(path):
+        found = True
+        yield file
+    if not found:
         raise UsageError(f"data.path {str(path)!r} is a folder with no files; give a UTF-8 text file or a folder of them")
-    return files
+
+
+def _walk(folder: Path) -> Iterator[Path]:
+    """Depth first, each folder's entries by name: the order of sorted paths. Links to folders are
+    not followed (nor are they by rglob), links to files are."""
+    try:
+        with os.scandir(folder) as entries:
+            listed = sorted(entries, key=lambda e: e.name)
+    except PermissionError:
+        return  # skipped, as rglob skips it
+    for entry in listed:
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            yield from _walk(Path(entry.path))
+        elif entry.is_file():
+            yield Path(entry.path)
 
 
 def load_text(data_path: str, max_chars: int) -> str:

@@ -21,6 +21,7 @@ What no library offers here is a policy: torch elastic restarts every worker on 
 torchft drops the failed group's samples, so this small protocol is gradmesh's own.
 """
 
+import re
 import threading
 import time
 
@@ -87,7 +88,7 @@ class BadStoreValue(RuntimeError):
 def whole(raw: bytes | str, what: str, bound: int = BOUND) -> int:
     """A whole number read from the job's store, checked before it picks ranks or steps."""
     text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw
-    if not (text.isascii() and text.isdigit() and int(text) < bound):
+    if not (re.fullmatch(r"[0-9]{1,19}", text) and int(text) < bound):
         raise BadStoreValue(f"in-place recovery's store holds {text[:40]!r} as {what}; expected a whole number below {bound}")
     return int(text)
 

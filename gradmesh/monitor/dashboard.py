@@ -56,9 +56,15 @@ class RunState:
         generation, rows = self.metrics.read()
         run = {"name": self.run_dir.resolve().name, "path": str(self.run_dir), **runfiles.read_config(self.run_dir)}
         return {"rows": rows[after:after + MAX_ROWS], "total": len(rows), "generation": generation,
-                "alerts": read_jsonl(self.run_dir / "alerts.jsonl"),
+                "alerts": self._alerts(),
                 "summary": runfiles.read_summary(self.run_dir),
                 "status": runfiles.status(self.run_dir), "run": run}
+
+    def _alerts(self) -> list[dict]:
+        try:
+            return read_jsonl(self.run_dir / "alerts.jsonl")
+        except UsageError:  # no regular file (refused at start, swapped in since): skipped
+            return []
 
 
 def _finite(value):
@@ -113,6 +119,7 @@ def make_server(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8265) 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"run dir {str(run_dir)!r} does not exist; give the --run-dir of a gradmesh train run")
+    runfiles.check_inputs(run_dir)
     handler = make_handler(RunState(run_dir), PAGE.read_bytes(), plotly_js(), listener.HostCheck(host))
     try:
         return listener.HTTP(host, port, handler)

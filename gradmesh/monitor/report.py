@@ -135,12 +135,13 @@ def _fmt(value, digits: int) -> str:
 def write_report(run_dir: str | Path) -> Path:
     """Write RUN_DIR/report.html and its PNGs in RUN_DIR/report/; returns the HTML's path."""
     run_dir = Path(run_dir)
+    runfiles.check_inputs(run_dir)  # a FIFO or /dev/zero as metrics.jsonl: one line, not a read forever
     if not (run_dir / "metrics.jsonl").is_file():
         raise UsageError(f"{str(run_dir)!r} has no metrics.jsonl; is it a gradmesh run dir?")
-    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
+    rows = [row for row in map(runfiles.well_typed, read_jsonl(run_dir / "metrics.jsonl")) if "step" in row]
     if not rows:
         raise UsageError(f"{str(run_dir / 'metrics.jsonl')!r} has no steps yet; report again once training has logged one")
-    summary = runfiles.read_summary(run_dir)
+    summary = runfiles.well_typed(runfiles.read_summary(run_dir) or {}) or None
     out = run_dir / "report"
     _refuse_links(out, run_dir / "report.html")
     if not out.is_dir():

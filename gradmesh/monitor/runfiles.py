@@ -9,19 +9,41 @@ lines it already read have changed and starts over. `summary.json` appears only 
 import json
 import math
 import os
+import stat
 import threading
 import tomllib
 from pathlib import Path
 
-from gradmesh.files import parse_jsonl
+from gradmesh.errors import UsageError
+from gradmesh.files import READ_LIMIT, open_regular, parse_jsonl, read_regular
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer", "idle")
+INPUTS = ("metrics.jsonl", "alerts.jsonl", "summary.json", "config.toml")
+"""What the dashboard and the report read from a run dir."""
+
+
+def check_inputs(run_dir: Path) -> None:
+    """A UsageError (one line) when a file they read is no regular file or too big: read, it would
+    block, never end or fill the memory. While serving, such a file is skipped instead."""
+    for name in INPUTS:
+        try:
+            os.close(open_regular(run_dir / name))
+        except FileNotFoundError:
+            pass
+
+
+def _text(path: Path) -> str | None:
+    """A run file's text; None when absent, not a regular file, too big or not UTF-8."""
+    try:
+        return read_regular(path).decode()
+    except (FileNotFoundError, UsageError, UnicodeDecodeError):
+        return None
 
 
 def read_summary(run_dir: Path) -> dict | None:
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (FileNotFoundError, ValueError):
+        summary = json.loads(_text(run_dir / "summary.json") or "null")
+    except ValueError:
         return None  # not finished, or caught while being written
     return summary if isinstance(summary, dict) else None
 
@@ -29,8 +51,8 @@ def read_summary(run_dir: Path) -> dict | None:
 def read_config(run_dir: Path) -> dict:
     """The few resolved settings worth showing before summary.json exists."""
     try:
-        cfg = tomllib.loads((run_dir / "config.toml").read_text())
-    except (FileNotFoundError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        cfg = tomllib.loads(_text(run_dir / "config.toml") or "")
+    except tomllib.TOMLDecodeError:
         return {}
     train = cfg.get("train", {})
     shown = {"strategy": train.get("strategy"), "mesh": train.get("mesh"), "model": cfg.get("model", {}).get("name")}
@@ -61,12 +83,14 @@ class MetricsTail:
     def read(self) -> tuple[int, list[dict]]:
         with self._lock:
             try:
-                with open(self.path, "rb") as handle:
+                with open(self.path, "rb", opener=_no_wait) as handle:
+                    if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                        raise FileNotFoundError  # a FIFO or /dev/zero (checked at start, swapped in since)
                     if not self._still_same(handle):
                         self._reset()
                     handle.seek(self._offset)
-                    chunk = handle.read()
-            except FileNotFoundError:
+                    chunk = handle.read(READ_LIMIT - self._offset)
+            except (FileNotFoundError, IsADirectoryError):
                 if self._offset:
                     self._reset()
                 return self.generation, self.rows
@@ -90,8 +114,41 @@ class MetricsTail:
         self.generation += 1
 
 
+def _no_wait(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NONBLOCK)  # opening a FIFO to read would wait for a writer
+
+
 def finite(values) -> list[float]:
-    return [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return [v for v in values if _number(v)]
+
+
+NUMBERS = ("step", "loss", "time", "samples_per_s", "imbalance", "staleness_max", "staleness_mean", "wall_s",
+           "final_loss", "world_size", "steps")
+NUMBER_LISTS = ("peak_memory_bytes", "model_state_bytes")
+
+
+def _number(value) -> bool:
+    """A finite JSON number (not a bool; an integer a float can hold)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return abs(value) < 2**63 if isinstance(value, int) else math.isfinite(value)
+
+
+def _numbers(value) -> bool:
+    return isinstance(value, list) and all(_number(v) for v in value)
+
+
+def well_typed(record: dict) -> dict:
+    """A metrics row or summary without the values of a type no gradmesh run writes there (a string,
+    null or list where a number belongs; a breakdown that is no table of number lists): hand-edited
+    or foreign files plot what they can, as if those values were absent, instead of failing."""
+    def fits(key, value) -> bool:
+        if key in NUMBERS:
+            return _number(value) and (key != "step" or isinstance(value, int))
+        if key in NUMBER_LISTS:
+            return _numbers(value)
+        return key != "breakdown" or isinstance(value, dict) and all(map(_numbers, value.values()))
+    return {key: value for key, value in record.items() if fits(key, value)}
 
 
 def mean_breakdown(rows: list[dict]) -> dict[str, list[float]] | None:

@@ -210,6 +210,10 @@ def check_ps(cfg, mesh: dict[str, int], meta_model, hybrid: bool = False) -> Non
     if cfg.train.global_batch_size % (workers * accum):
         raise UsageError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by workers x "
                          f"grad_accum = {workers} x {accum}; use a multiple of {workers * accum}")
+    per_worker = cfg.train.global_batch_size // workers
+    if cfg.ps.shares > per_worker and cfg.ps.bound != 0 and not hybrid:  # sync and hybrid cut no shares
+        raise UsageError(f"--ps-shares {cfg.ps.shares} cuts each worker's {per_worker} samples per step into shares of "
+                         f"less than one sample; give --ps-shares 1..{per_worker} (at most global_batch_size / workers)")
     model = meta_model()
     if hybrid:
         _check_hybrid(cfg, model)
