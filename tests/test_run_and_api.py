@@ -22,14 +22,15 @@ def test_plain_torch_distributed_script_runs_unchanged(tmp_path):
         value = torch.tensor([float(dist.get_rank() + 1)])
         dist.all_reduce(value)
         print(f"rank {dist.get_rank()} of {dist.get_world_size()} local {os.environ['LOCAL_RANK']}"
-              f" sum {value.item():.0f} threads {torch.get_num_threads()} arg {sys.argv[1]}")
+              f" sum {value.item():.0f} threads {torch.get_num_threads()} args {' '.join(sys.argv[1:])}")
         dist.destroy_process_group()
     """))
-    result = gradmesh("run", "--nproc", "4", str(script), "hello", timeout=120)
+    # The script's own options reach it whole, even one torchrun would take for its own (--nproc).
+    result = gradmesh("run", "--nproc", "4", str(script), "hello", "--nproc", "3", "--", "x", timeout=120)
     assert result.returncode == 0, result.stderr
     # Workers share the terminal, so lines may interleave: find each report anywhere.
-    found = sorted(re.findall(r"rank \d of \d local \d sum \d+ threads \d+ arg hello", result.stdout))
-    assert found == [f"rank {r} of 4 local {r} sum 10 threads 1 arg hello" for r in range(4)]
+    found = sorted(re.findall(r"rank \d of \d local \d sum \d+ threads \d+ args hello --nproc 3 -- x", result.stdout))
+    assert found == [f"rank {r} of 4 local {r} sum 10 threads 1 args hello --nproc 3 -- x" for r in range(4)]
 
 
 def test_worker_crash_shows_its_traceback_and_fails_without_hanging(tmp_path):

@@ -22,4 +22,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     launch = configuration.build([flag_layer(args)]).launch
     _, nproc = launch_shape(launch)
     # The script runs under a thin wrapper that ties it to the launcher (gradmesh.lifeline).
-    return run_workers(launch, nproc, ["-m", "gradmesh.lifeline", args.script, *args.script_args])
+    # "--": torchrun's parser would otherwise take the script's own options for its (`--nproc` is an
+    # abbreviation of its --nproc-per-node); argparse drops that first "--" and keeps any later one.
+    return run_workers(launch, nproc, ["-m", "gradmesh.lifeline", "--", args.script, *args.script_args])
