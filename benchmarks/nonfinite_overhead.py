@@ -1,17 +1,22 @@
 """Benchmark: what the per-step non-finite check costs (issue 25, item 1).
 
-    .venv/bin/python benchmarks/nonfinite_overhead.py [--device cpu|cuda] [--rounds 3]
+    .venv/bin/python benchmarks/nonfinite_overhead.py [--device cpu|cuda] [--rounds 3] [--nproc 2]
 
-One process (world size 1, the same code path as N), the built-in gpt-char model at the README's
-benchmark size: rounds alternate the check on and off (off: the engine's check replaced by one
-that finds nothing), each timing `--steps` steps after a warm-up, in the same process so that
-noise hits both alike. Prints the median step times and their ratio; writes
-benchmarks/results/nonfinite.json.
+The built-in gpt-char model at the README's benchmark size, under ddp: rounds alternate the check
+on and off (off: the engine's check replaced by one that finds nothing), each timing `--steps`
+steps after a warm-up, in the same processes so that noise hits both alike. `--nproc 1` (the
+default) times the check's own work (one fused norm pass); `--nproc N` relaunches this script on
+N workers with `gradmesh run`, so the check's all-reduce and its wait for the other ranks are
+timed too (every rank switches the check together; rank 0 reports). Prints the median step times
+and their ratio; writes benchmarks/results/nonfinite.json under "DEVICE" or "DEVICE@N".
 """
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,7 +60,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--nproc", type=int, default=1)
     args = parser.parse_args()
+    if args.nproc > 1 and "RANK" not in os.environ:  # relaunched on N workers; they come back here
+        command = [sys.executable, "-m", "gradmesh", "run", "--nproc", str(args.nproc), "--device", args.device,
+                   __file__, *sys.argv[1:]]
+        raise SystemExit(subprocess.run(command).returncode)
     trainer = build(args.device, args.batch)
     checked = Engine.find_nonfinite
     time_steps(trainer, 5)  # warm-up
@@ -65,14 +75,18 @@ def main() -> None:
         on.append(time_steps(trainer, args.steps))
         Engine.find_nonfinite = lambda self, loss_sum, step: None
         off.append(time_steps(trainer, args.steps))
-    result = {"device": args.device, "batch": args.batch, "model": SIZE, "rounds": args.rounds,
+    if trainer.topo.rank != 0:
+        return
+    result = {"device": args.device, "nproc": args.nproc, "batch": args.batch, "model": SIZE, "rounds": args.rounds,
               "step_ms_check_on": round(statistics.median(on) * 1e3, 3),
               "step_ms_check_off": round(statistics.median(off) * 1e3, 3),
-              "ratio_on_to_off": round(statistics.median(a / b for a, b in zip(on, off)), 4)}
+              "ratio_on_to_off": round(statistics.median(a / b for a, b in zip(on, off)), 4),
+              "ratio_per_round": [round(a / b, 3) for a, b in zip(on, off)]}
     print(json.dumps(result))
     out = Path(__file__).parent / "results" / "nonfinite.json"
     previous = json.loads(out.read_text()) if out.exists() else {}
-    out.write_text(json.dumps({**previous, args.device: result}, indent=1))
+    key = args.device if args.nproc == 1 else f"{args.device}@{args.nproc}"
+    out.write_text(json.dumps({**previous, key: result}, indent=1))
 
 
 if __name__ == "__main__":

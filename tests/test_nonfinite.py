@@ -118,3 +118,48 @@ def test_a_huge_learning_rate_under_parameter_servers_stops_too(tmp_path):
     result = train(tmp_path, 3, *DIGITS, "--strategy", "ps", "--lr", "1e30", tiny=False, check=False)
     assert result.returncode == 4 and "refused by the parameter servers" in result.stderr, result.stderr
     assert not (tmp_path / "model.safetensors").exists()
+
+
+CARRIED = '''
+import copy, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from gradmesh.comm import hooks
+from gradmesh.comm.reducer import MeanAllReduce
+from gradmesh.engine import nonfinite
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+verdicts, same = [], []
+for nan_rank in (None, 1):
+    torch.manual_seed(0)
+    model = hooks.register(DistributedDataParallel(torch.nn.Linear(4, 2)), MeanAllReduce())
+    twin = copy.deepcopy(model.module)
+    x = torch.randn(8, 4) + rank
+    loss = model(x).square().sum()  # finite on both ranks, and so are both ranks' gradients
+    told = torch.tensor(float("nan")) if rank == nan_rank else loss.detach()
+    hooks.state_of(model).poison = told * 0
+    loss.backward()
+    verdicts.append(nonfinite.locally_finite(model, told))
+    twin(x).square().sum().backward()  # the plain mean of the same gradients, for comparison
+    for p in twin.parameters():
+        dist.all_reduce(p.grad)
+    same.append(all(torch.allclose(a.grad, b.grad / 2) for a, b in zip(model.parameters(), twin.parameters())))
+print(f"rank {rank} verdicts {verdicts} same {same}")
+'''
+
+
+def test_the_gradient_all_reduce_carries_one_ranks_non_finite_loss_to_every_rank(tmp_path):
+    """Under ddp no collective of its own: rank 1's NaN loss (its gradients finite) reaches rank 0
+    through the gradient all-reduce, whose result is otherwise the plain mean; a compressor that
+    need not keep a NaN falls back on the collective."""
+    from gradmesh.comm.feedback import TopK
+    from gradmesh.comm.reducer import CommCounter, Counted, Guarded, MeanAllReduce
+    from helpers import gradmesh
+
+    script = tmp_path / "carried.py"
+    script.write_text(CARRIED)
+    result = gradmesh("run", "--nproc", "2", str(script), timeout=120)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} verdicts [True, False] same [True, False]" in result.stdout, result.stdout
+    assert Guarded(Counted(MeanAllReduce(), CommCounter())).carries_nonfinite
+    assert not Guarded(Counted(TopK(0.1), CommCounter())).carries_nonfinite

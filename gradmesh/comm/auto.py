@@ -31,6 +31,8 @@ SHARE = 0.1
 class AutoCompression(Reducer):
     """The plain mean until `choose` names the reducer to use from then on."""
 
+    carries_nonfinite = False  # what it will choose is not known when the engine is built
+
     def __init__(self):
         self.inner: Reducer = MeanAllReduce()
         self.name, self.pending_state = "all_reduce", {}

@@ -58,6 +58,8 @@ def _mean(pieces: list[torch.Tensor], group) -> None:
 class ErrorFeedback(Reducer):
     """The part both methods share: per-parameter error, the plain/compressed split, state."""
 
+    carries_nonfinite = False  # a low-rank or top-k summary need not keep one rank's NaN
+
     def __init__(self, start: int = 0):
         self.start = start
         self.errors: dict[str, torch.Tensor] = {}

@@ -4,6 +4,12 @@ DDP's built-in all-reduce cannot be interrupted, timed or counted from Python. A
 hands each gradient bucket to the job's reducer (`gradmesh.comm.reducer`), which does the same
 arithmetic as torch's default hook and adds the wrappers around it. DDP still buckets the
 gradients and overlaps the all-reduces with the backward pass.
+
+The hook also carries the step's non-finite verdict (`gradmesh.engine.nonfinite`): the engine
+hands it `loss × 0` — 0 when this rank's loss is finite, NaN when not — and bucket 0's first
+element gets it added before the all-reduce, so a non-finite loss on any rank makes every
+rank's reduced gradients non-finite. With a reducer that `carries_nonfinite`, every rank then
+reaches the same verdict from its own gradients, with no collective of its own.
 """
 
 from dataclasses import dataclass
@@ -21,14 +27,26 @@ class HookState:
     group: dist.ProcessGroup
     names: dict[int, str]
     """id(parameter) -> its name in the plain model: a bucket's parts, for per-parameter state."""
+    poison: torch.Tensor | None = None
+    """This step's loss × 0 (see above); None: nothing to carry."""
 
 
 def _reduce_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     parts = [(state.names[id(p)], p.shape) for p in bucket.parameters()]
-    return state.reducer.reduce(bucket.buffer(), state.group, parts)
+    buffer = bucket.buffer()
+    if bucket.index() == 0 and state.poison is not None and buffer.numel():
+        buffer[:1].add_(state.poison.to(buffer.dtype))  # x + 0 == x; NaN where the loss was not finite
+    return state.reducer.reduce(buffer, state.group, parts)
 
 
 def register(model: DistributedDataParallel, reducer: Reducer) -> DistributedDataParallel:
     names = {id(p): name for name, p in model.module.named_parameters()}
-    model.register_comm_hook(HookState(reducer, model.process_group, names), _reduce_bucket)
+    state = HookState(reducer, model.process_group, names)
+    model.register_comm_hook(state, _reduce_bucket)
+    model.gradmesh_hook = state
     return model
+
+
+def state_of(model) -> HookState | None:
+    """The hook's state where `register` wrapped `model`, else None."""
+    return model.__dict__.get("gradmesh_hook")

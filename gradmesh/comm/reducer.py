@@ -27,6 +27,9 @@ class Reducer:
     knows them; reducers that keep state per parameter (error feedback) need them."""
 
     name = "reduce"
+    carries_nonfinite = True
+    """A NaN or infinity in any rank's input is in every rank's result (a plain or cast sum): the
+    non-finite check can then read the reduced gradients instead of running a collective."""
 
     def reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, parts=None) -> Future:
         raise NotImplementedError
@@ -50,6 +53,10 @@ class Wrapper(Reducer):
     """Passes state through to the reducer it wraps."""
 
     inner: Reducer
+
+    @property
+    def carries_nonfinite(self) -> bool:
+        return self.inner.carries_nonfinite
 
     def state_dict(self):
         return self.inner.state_dict()

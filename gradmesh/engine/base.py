@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from gradmesh.comm import hooks
 from gradmesh.config import TrainConfig
 from gradmesh.data import GlobalBatch
 from gradmesh.engine import nonfinite
@@ -186,9 +187,26 @@ class Engine:
         return StepOutcome(batch, lr, indices, figures)
 
     def find_nonfinite(self, loss_sum: torch.Tensor, step: int) -> Finding | None:
-        """Collective: whether any rank's loss or gradient of this step is NaN or infinite."""
+        """Collective: whether any rank's loss or gradient of this step is NaN or infinite. Where the
+        gradient all-reduce carried the verdict (`carry_verdict`), every rank reads the same answer
+        from its own reduced gradients, and the collective runs only to name what was found."""
         topo = self.topology
+        if self._carried() and nonfinite.locally_finite(self.model, loss_sum):
+            return None
         return nonfinite.check(self.model, loss_sum, topo.group("world"), topo.rank, topo.world_size, step)
+
+    def carry_verdict(self, loss_sum: torch.Tensor) -> None:
+        """Before the backward that reduces the gradients: hand DDP's hook this rank's loss so far
+        (`gradmesh.comm.hooks`), where that all-reduce can carry it to every rank."""
+        if self._carried():
+            hooks.state_of(self.model).poison = loss_sum.detach() * 0
+
+    def _carried(self) -> bool:
+        """The gradients are all-reduced over every rank by DDP's hook with a reducer that keeps a
+        NaN (the same on every rank: it depends on the plan and options alone)."""
+        state = hooks.state_of(self.model)
+        return (state is not None and state.reducer.carries_nonfinite
+                and self.topology.dp_size == self.topology.world_size)
 
     def _unapplied(self, batch: GlobalBatch, lr: float, loss_sum, counted: int, indices: list[int],
                    found: Finding) -> StepOutcome:

@@ -1,11 +1,16 @@
 """Non-finite steps: before the optimizer, every rank learns whether any rank's loss or gradient
 is NaN or infinite, so that all of them apply the step's update or none of them does.
 
-One small all-reduce per step carries the verdict: each rank fills its own row of a
-[world, 3] tensor (loss non-finite, gradient non-finite, 1 + the index of its first non-finite
-gradient among its parameters) and the sum gives every rank the same table. Only when something
-was found does a second collective run: the lowest rank with a bad gradient broadcasts that
-gradient's name as UTF-8 bytes (never pickled), so the one-line report names it on every rank.
+Under ddp the verdict rides on the gradient all-reduce itself (`gradmesh.comm.hooks`: each
+rank adds loss × 0 to its first bucket, so a non-finite loss anywhere makes every rank's reduced
+gradients non-finite, and a non-finite gradient anywhere does so by the sum): every rank reads
+the same answer from its own gradients, with no collective of its own. Elsewhere (sharded
+gradients, model-parallel axes, compressors that need not keep a NaN), one small all-reduce per
+step carries it. Either way, once something was found the ranks name it together: each fills
+its own row of a [world, 3] tensor (loss non-finite, gradient non-finite, 1 + the index of its
+first non-finite gradient among its parameters) and the sum gives every rank the same table;
+then the lowest rank with a bad gradient broadcasts that gradient's name as UTF-8 bytes (never
+pickled), so the one-line report names it on every rank.
 
 Which rank to blame: a NaN loss is found on the rank that computed it; its gradient reaches every
 replica through the average, so a gradient alone (a finite loss) names every rank that holds it.
@@ -72,6 +77,12 @@ def _local_flags(model: torch.nn.Module, loss_sum: torch.Tensor) -> tuple[bool, 
         where = (~torch.isfinite(norms)).nonzero()
         bad = int(where[0].item()) + 1 if len(where) else 0
     return not bool(torch.isfinite(loss_sum).all()), bad, names
+
+
+def locally_finite(model: torch.nn.Module, loss_sum: torch.Tensor) -> bool:
+    """This rank's loss and gradients hold no NaN or infinity (no collective)."""
+    loss_bad, grad_bad, _ = _local_flags(model, loss_sum)
+    return not loss_bad and not grad_bad
 
 
 def check(model: torch.nn.Module, loss_sum: torch.Tensor, group, rank: int, world_size: int, step: int) -> Finding | None:
