@@ -174,6 +174,7 @@ def test_any_toml_config_is_accepted_or_refused_in_one_line(folder, data):
 
 
 
+@pytest.mark.slow  # fast-tier budget: the hypothesis tests above draw from the same flags
 def test_every_train_flag_takes_every_edge_value(folder):
     """Each flag with each of EDGES (paths flags with PATHS' edges): the cases a random draw is
     unlikely to pair with the one flag they break."""

@@ -210,6 +210,7 @@ def test_api_rows_after_n(server, straggler_run):
     assert b'id="breakdown"' in get(server)[1]
 
 
+@pytest.mark.slow  # fast-tier budget: the finished-run browser test draws the same page
 def test_the_dashboard_follows_a_run_while_it_trains(tmp_path):
     run_dir = tmp_path / "live"
     run_dir.mkdir()

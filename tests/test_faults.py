@@ -139,6 +139,7 @@ def test_a_replacement_joins_and_gets_the_state_from_a_live_peer(fault_free, tmp
     assert_same_training(tmp_path, fault_free)
 
 
+@pytest.mark.slow  # fast-tier budget: the replacement that joins covers the protocol
 def test_a_replacement_too_late_to_join_leaves_without_failing_the_run(fault_free, tmp_path):
     result = train(tmp_path, 2, *ARGS, "--recovery", "inplace", "--max-restarts", "1", "--inject", "kill:rank=1,step=20")
     assert "the run finished before the replacement for rank 2 could join" in result.stderr, result.stderr

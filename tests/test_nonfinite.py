@@ -81,6 +81,7 @@ def test_rollback_goes_back_to_the_checkpoint_and_skips_the_batch(skipped_runs):
     assert all(torch.isfinite(t).all() for t in weights(run).values())
 
 
+@pytest.mark.slow  # fast-tier budget: skip and rollback are covered above
 def test_skips_in_a_row_and_rollbacks_that_do_not_help_stop_the_run(tmp_path):
     result = train(tmp_path / "skip", 2, *DIGITS, "--on-nonfinite", "skip", "--set", "fault.max_skips=3",
                    "--inject", "nan:rank=0,step=4,steps=5", tiny=False, check=False)
@@ -114,6 +115,7 @@ def test_parameter_servers_refuse_a_non_finite_push_and_skip_its_step_as_ddp_doe
     assert rel_l2(weights(tmp_path), weights(skipped_runs["skip"])) <= TOLERANCE
 
 
+@pytest.mark.slow  # fast-tier budget: the ps skip test covers a refused push
 def test_a_huge_learning_rate_under_parameter_servers_stops_too(tmp_path):
     result = train(tmp_path, 3, *DIGITS, "--strategy", "ps", "--lr", "1e30", tiny=False, check=False)
     assert result.returncode == 4 and "refused by the parameter servers" in result.stderr, result.stderr

@@ -211,6 +211,7 @@ SQUARE = ("--model", "recsys", "--set", "model.rows=128", "--set", "model.dim=16
           "--set", "model.samples=4000", "--max-steps", "5", "--global-batch-size", "64")
 
 
+@pytest.mark.slow  # fast-tier budget: the row checks above are unit tests
 def test_ddp_and_ps_train_the_same_recsys_model_when_a_dense_layer_has_a_tables_shape(catalogue):
     """Sync, 1 server and 2 workers, against one process (ddp's code path); measured 2e-8."""
     run = catalogue.run(3, *SQUARE, "--strategy", "ps", tiny=False)

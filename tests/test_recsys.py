@@ -3,6 +3,7 @@ AUC is known, so a trained model is judged against the ceiling."""
 
 import json
 
+import pytest
 import torch
 
 from catalogue import copy_run
@@ -168,6 +169,7 @@ def test_hybrid_keeps_tables_on_servers_and_all_reduces_the_dense_part_exactly(c
     assert sum(row["wire_bytes"] for row in metrics(run)) == wire_formula(run, 1, 2, dense_bytes=4, headers=2 + 1, pulls=False)
 
 
+@pytest.mark.slow  # fast-tier budget: test_ps covers half-width pushes
 def test_half_width_compression_under_hybrid_covers_the_tables_pushes_too(catalogue):
     """--compression fp16 under hybrid: the dense all-reduce and the tables' gradient rows pushed
     to the servers both travel at 2 bytes per value (each row push also carries its scale: the
@@ -184,6 +186,7 @@ def test_half_width_compression_under_hybrid_covers_the_tables_pushes_too(catalo
     assert abs(found["loss"] / expected["loss"] - 1) < 2e-3 and abs(found["auc"] / expected["auc"] - 1) < 1e-3
 
 
+@pytest.mark.slow  # fast-tier budget: test_sharded covers resharding resumes
 def test_a_hybrid_checkpoint_resumes_under_another_strategy(catalogue, tmp_path):
     """The hybrid run's step-10 checkpoint (dense optimizer state from the workers, the tables and
     their row-wise accumulators collected on the server) resumed under ps with 2 servers (each
