@@ -1,7 +1,7 @@
 """The one error type for bad user input, and the one way out when there is nothing to do.
 
 A `UsageError` carries a single line naming the bad value and what would be accepted; the CLI
-prints it without a traceback and exits with code 2 (contract 7 in DESIGN.md). `NothingToDo`
+prints it without a traceback and exits with code 2 (contract 7). `NothingToDo`
 is a request already fulfilled (resuming a finished run): one line, exit code 0.
 """
 

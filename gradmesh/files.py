@@ -4,7 +4,7 @@ A process killed mid-append leaves a last line without its newline (and, once ap
 on, a garbled line in the middle); readers skip such lines instead of failing, since every
 other line is still good. A file written whole (summary.json, config.toml, model.safetensors)
 goes to a temporary name in its own folder, is synced and then renamed over the old one, so a
-reader or a crash sees the old file or the new one, never part of one (DESIGN.md contract 9).
+reader or a crash sees the old file or the new one, never part of one (contract 9).
 
 No torch here: the CLI, the run directory and the monitor all import it.
 """

@@ -1,6 +1,6 @@
 """The run directory's manifest: every path gradmesh created there, and the only ones it deletes.
 
-DESIGN.md contract 9. A user may keep notes in a run directory, even inside `checkpoints/`,
+contract 9. A user may keep notes in a run directory, even inside `checkpoints/`,
 `report/` or `tensorboard/`; gradmesh tells its own files from theirs by this list, never by
 name. `RUN_DIR/.gradmesh-manifest` holds one JSON object per line: `{"file": "summary.json"}`,
 `{"dir": "report"}`, or `{"tree": "checkpoints/.tmp-step-5"}` (a hidden working folder that

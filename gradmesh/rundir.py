@@ -1,11 +1,11 @@
-"""The run directory (DESIGN.md contract 6): what a run writes, and starting one afresh.
+"""The run directory (contract 6): what a run writes, and starting one afresh.
 
 A folder is gradmesh's only when it carries the marker file `.gradmesh-run` (the run's id),
 written first thing into a new or empty folder. A fresh run refuses a non-empty folder without
 it, and a gradmesh run that holds results (checkpoints, metrics, weights) unless asked to
 `--overwrite` it; starting afresh removes only what the run's manifest lists (gradmesh.manifest),
 so a user's files stay wherever they are, and a gradmesh path that is a symlink is refused
-rather than followed (DESIGN.md contract 9).
+rather than followed (contract 9).
 """
 
 import json

@@ -1,4 +1,4 @@
-"""One run per run directory at a time (DESIGN.md contract 9): the launcher holds a lock file.
+"""One run per run directory at a time (contract 9): the launcher holds a lock file.
 
 `RUN_DIR/.gradmesh-lock` names its holder (PID, host, job). On one host the lock is an
 `fcntl.flock` on that file, which the kernel drops when the holder dies however it dies, so a

@@ -1,4 +1,4 @@
-"""c10d stores that listen on loopback only, on one machine (DESIGN.md contract 8).
+"""c10d stores that listen on loopback only, on one machine (contract 8).
 
 torch's TCPStore server listens on every interface whatever host name it is given (it binds
 the wildcard address `::`), so a single-machine job's store — which hands out rank 0's address,

@@ -92,7 +92,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """||a - b|| / ||b|| over all parameters together (DESIGN.md contract 2)."""
+    """||a - b|| / ||b|| over all parameters together (contract 2)."""
     assert a.keys() == b.keys()
     diff = sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a)
     norm = sum((b[k].double() ** 2).sum() for k in b)

@@ -1,6 +1,6 @@
 """Contract 2: N ranks train the same model as one process with the same global batch.
 
-Tolerance: relative L2 over all parameters <= 1e-5 after 20 optimizer steps (DESIGN.md). One
+Tolerance: relative L2 over all parameters <= 1e-5 after 20 optimizer steps (contract 2). One
 wrong sample per step gives ~2.5e-3 and a 5% gradient-scale error under SGD ~4.5e-4, so the
 bound separates summation-order noise from real mistakes.
 """

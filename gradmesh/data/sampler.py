@@ -1,4 +1,4 @@
-"""The global-order sampler (contract 1 in DESIGN.md).
+"""The global-order sampler (contract 1).
 
 The sequence of global batches depends only on (dataset length, seed, epoch, global batch
 size). Each rank takes a contiguous share of every global batch and cuts it into micro-batches,

@@ -7,7 +7,7 @@ dataclasses, torch.Size, dtypes and a layout, so `SafeReader` admits exactly tho
 real checkpoint asks for) and refuses anything else by name. DCP's default planner also loads
 non-tensor entries with `torch.load(weights_only=False)`; `SafePlanner` first makes them pass
 `weights_only=True`. `load` hands both to `dcp.load`, so every read of a checkpoint goes
-through them (DESIGN.md contract 8). The metadata also names each shard's file, which DCP opens
+through them (contract 8). The metadata also names each shard's file, which DCP opens
 relative to the checkpoint: a name that is not a plain file name of that folder is refused too.
 """
 

@@ -5,7 +5,7 @@ matplotlib figures are drawn on the Agg canvas directly (no pyplot): no display 
 no global backend state is touched in a process that may be plotting something else.
 matplotlib is imported only once there is something to plot. The page and the plots are
 recorded in the run's manifest and written atomically; a `report/` that is a symlink is refused,
-and only plots the manifest lists are ever removed (DESIGN.md contract 9).
+and only plots the manifest lists are ever removed (contract 9).
 """
 
 import html
