@@ -3,6 +3,7 @@ and functions stay small, strategies are known only to the registry, and the reg
 reducer chain's logic holds."""
 
 import ast
+import re
 import subprocess
 from types import SimpleNamespace
 import sys
@@ -199,3 +200,14 @@ def test_a_strategy_named_on_a_sessions_default_mesh_runs_alone_over_its_ranks()
     assert registry.resolve("zero1", {"dp": 2}).label == "zero1"
     with pytest.raises(UsageError, match="does not combine"):
         registry.resolve("ps", {"dp": 2, "tp": 2})
+
+
+def test_the_readmes_strategy_table_is_the_registry():
+    """The user's table of strategies lists exactly the registry's rows, in its order."""
+    from gradmesh.parallel.registry import STRATEGIES
+
+    text = (PACKAGE.parent / "README.md").read_text()
+    table = text[text.index("| strategy | what each rank holds |"):]
+    table = table[:table.index("\n\n")]
+    listed = re.findall(r"^\| `([a-z0-9]+)` \|", table, flags=re.MULTILINE)
+    assert listed == list(STRATEGIES)
