@@ -170,7 +170,7 @@ class Engine:
     def step(self, batch: GlobalBatch, probe: StepProbe) -> StepOutcome:
         lr = self._set_lr(batch.step)
         loss_sum, counted, indices = self.forward_backward(batch, probe)
-        with probe.clock.phase("comm"):  # one small all-reduce: the ranks wait for each other here
+        with probe.clock.phase("comm"):  # where a collective decides, the ranks wait for each other here
             found = self.find_nonfinite(loss_sum, batch.step + 1)
         if found is not None:  # no rank applies any of it, whatever the policy then does
             return self._unapplied(batch, lr, loss_sum, counted, indices, found)
@@ -191,7 +191,11 @@ class Engine:
         gradient all-reduce carried the verdict (`carry_verdict`), every rank reads the same answer
         from its own reduced gradients, and the collective runs only to name what was found."""
         topo = self.topology
-        if self._carried() and nonfinite.locally_finite(self.model, loss_sum):
+        state = hooks.state_of(self.model)
+        carried = state is not None and state.poison is not None
+        if carried:
+            state.poison = None  # handed over for this step only: a step that never set it runs the collective
+        if carried and nonfinite.locally_finite(self.model, loss_sum):
             return None
         return nonfinite.check(self.model, loss_sum, topo.group("world"), topo.rank, topo.world_size, step)
 
