@@ -50,3 +50,13 @@ def register(model: DistributedDataParallel, reducer: Reducer) -> DistributedDat
 def state_of(model) -> HookState | None:
     """The hook's state where `register` wrapped `model`, else None."""
     return model.__dict__.get("gradmesh_hook")
+
+
+def take_verdict(model) -> bool:
+    """Whether this step handed the hook its verdict; taken once, so a step that never set it
+    runs the non-finite collective instead of trusting the last one's."""
+    state = state_of(model)
+    if state is None or state.poison is None:
+        return False
+    state.poison = None
+    return True

@@ -191,11 +191,7 @@ class Engine:
         gradient all-reduce carried the verdict (`carry_verdict`), every rank reads the same answer
         from its own reduced gradients, and the collective runs only to name what was found."""
         topo = self.topology
-        state = hooks.state_of(self.model)
-        carried = state is not None and state.poison is not None
-        if carried:
-            state.poison = None  # handed over for this step only: a step that never set it runs the collective
-        if carried and nonfinite.locally_finite(self.model, loss_sum):
+        if hooks.take_verdict(self.model) and nonfinite.locally_finite(self.model, loss_sum):
             return None
         return nonfinite.check(self.model, loss_sum, topo.group("world"), topo.rank, topo.world_size, step)
 
