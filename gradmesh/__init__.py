@@ -14,15 +14,35 @@ The Python API, for scripts launched with `gradmesh run` (or torchrun, or plain 
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["init", "Session", "Trainer", "TrainConfig", "CheckpointConfig", "MonitorConfig", "PSConfig", "Config",
-           "GlobalOrderSampler", "Topology", "UsageError"]
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "GlobalOrderSampler",
+    "MonitorConfig",
+    "PSConfig",
+    "Session",
+    "Topology",
+    "TrainConfig",
+    "Trainer",
+    "UsageError",
+    "init",
+]
 
 # Imported on first use (PEP 562): `python -m gradmesh --help` and a usage error need none of
 # torch, and importing it costs the CLI about a second at every start.
-_HOMES = {"init": "loop.trainer", "Session": "loop.trainer", "Trainer": "loop.trainer", "TrainConfig": "config",
-          "CheckpointConfig": "config", "MonitorConfig": "config", "PSConfig": "config", "Config": "config",
-          "GlobalOrderSampler": "data",
-          "Topology": "topology", "UsageError": "errors"}
+_HOMES = {
+    "init": "loop.trainer",
+    "Session": "loop.trainer",
+    "Trainer": "loop.trainer",
+    "TrainConfig": "config",
+    "CheckpointConfig": "config",
+    "MonitorConfig": "config",
+    "PSConfig": "config",
+    "Config": "config",
+    "GlobalOrderSampler": "data",
+    "Topology": "topology",
+    "UsageError": "errors",
+}
 
 
 def __getattr__(name: str):

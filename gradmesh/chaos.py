@@ -30,7 +30,7 @@ class Chaos:
 
 
 def _fields(text: str) -> dict[str, str]:
-    fields = dict(part.partition("=")[::2] for part in text.strip()[len("chaos:"):].split(",") if part)
+    fields = dict(part.partition("=")[::2] for part in text.strip()[len("chaos:") :].split(",") if part)
     if not text.isascii() or set(fields) - {"faults", "seed", "kinds", "pace"} or not {"faults", "seed"} <= set(fields):
         raise UsageError(f"--inject {text.strip()!r}: expected {FORM}")
     return fields
@@ -48,12 +48,21 @@ def parse_chaos(text: str) -> Chaos | None:
     try:
         chaos = Chaos(int(fields["faults"]), int(fields["seed"]), kinds, float(fields.get("pace", 0)))
     except ValueError:
-        raise UsageError(f"--inject {specs[0].strip()!r}: faults and seed must be whole numbers, pace a number; "
-                         f"expected {FORM}") from None
-    if chaos.faults < 1 or not 0 <= chaos.seed < 2**63 or not set(kinds) <= set(KINDS) or len(set(kinds)) != len(kinds) \
-            or not math.isfinite(chaos.pace) or chaos.pace < 0:
-        raise UsageError(f"--inject {specs[0].strip()!r}: needs faults >= 1, seed in [0, 2^63), kinds from "
-                         f"{'+'.join(KINDS)} and a finite pace >= 0")
+        raise UsageError(
+            f"--inject {specs[0].strip()!r}: faults and seed must be whole numbers, pace a number; expected {FORM}"
+        ) from None
+    if (
+        chaos.faults < 1
+        or not 0 <= chaos.seed < 2**63
+        or not set(kinds) <= set(KINDS)
+        or len(set(kinds)) != len(kinds)
+        or not math.isfinite(chaos.pace)
+        or chaos.pace < 0
+    ):
+        raise UsageError(
+            f"--inject {specs[0].strip()!r}: needs faults >= 1, seed in [0, 2^63), kinds from "
+            f"{'+'.join(KINDS)} and a finite pace >= 0"
+        )
     return chaos
 
 
@@ -67,13 +76,14 @@ def check_chaos(chaos: Chaos | None, max_steps: int, recovery: str, step_timeout
     if chaos is None:
         return
     if chaos.faults > max_steps - 2:
-        raise UsageError(f"--inject chaos: {chaos.faults} faults need at least {chaos.faults + 2} steps "
-                         f"(one per step, from step 2 to the next-to-last); --max-steps is {max_steps}")
+        raise UsageError(
+            f"--inject chaos: {chaos.faults} faults need at least {chaos.faults + 2} steps "
+            f"(one per step, from step 2 to the next-to-last); --max-steps is {max_steps}"
+        )
     if recovery == "none" and set(chaos.kinds) != {"slow"}:
         raise UsageError("--inject chaos with kills or hangs needs --recovery restart or inplace")
     if "hang" in chaos.kinds and not step_timeout:
-        raise UsageError("--inject chaos with hangs needs --step-timeout SECONDS to detect them "
-                         "(or kinds=kill+slow)")
+        raise UsageError("--inject chaos with hangs needs --step-timeout SECONDS to detect them (or kinds=kill+slow)")
 
 
 def plan(chaos: Chaos, max_steps: int, checkpoint_every: int) -> list[Fault]:
@@ -87,8 +97,16 @@ def plan(chaos: Chaos, max_steps: int, checkpoint_every: int) -> list[Fault]:
         if kind == "kill" and checkpoint_every and step % checkpoint_every == 0:
             faults.append(Fault("kill", rank, step=step, at="checkpoint", chaos=number))
         elif kind == "slow":
-            faults.append(Fault("slow", rank, step=step, steps=rng.randint(1, 3),
-                                delay=round(rng.uniform(0.2, 0.8), 2), chaos=number))
+            faults.append(
+                Fault(
+                    "slow",
+                    rank,
+                    step=step,
+                    steps=rng.randint(1, 3),
+                    delay=round(rng.uniform(0.2, 0.8), 2),
+                    chaos=number,
+                )
+            )
         else:
             faults.append(Fault(kind, rank, step=step, chaos=number))
     return faults

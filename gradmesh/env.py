@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from gradmesh.errors import UsageError
 
-
 OMP_THREADS = re.compile(r"([0-9]{1,6})(?:,[0-9]{1,6})*")
 
 
@@ -33,8 +32,12 @@ def launched() -> bool:
 
 def placement() -> Placement:
     env = os.environ
-    return Placement(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)),
-                     int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1)))
+    return Placement(
+        int(env.get("RANK", 0)),
+        int(env.get("WORLD_SIZE", 1)),
+        int(env.get("LOCAL_RANK", 0)),
+        int(env.get("LOCAL_WORLD_SIZE", 1)),
+    )
 
 
 def default_master(port: int) -> None:
@@ -77,8 +80,10 @@ def omp_threads() -> int | None:
         return None
     found = OMP_THREADS.fullmatch(text)  # not str.isdigit(): it takes "²", which int() refuses
     if not found or int(found[1]) < 1:
-        raise UsageError(f"OMP_NUM_THREADS={text[:40]!r} in the environment: expected a whole number of threads "
-                         "per worker from 1 to 999999 (e.g. 4), or leave it unset (gradmesh then shares out the cores)")
+        raise UsageError(
+            f"OMP_NUM_THREADS={text[:40]!r} in the environment: expected a whole number of threads "
+            "per worker from 1 to 999999 (e.g. 4), or leave it unset (gradmesh then shares out the cores)"
+        )
     return int(found[1])
 
 

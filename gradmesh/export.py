@@ -11,8 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from gradmesh.errors import UsageError
-from gradmesh.fault import checkpoint
-from gradmesh.fault import safeload
+from gradmesh.fault import checkpoint, safeload
 from gradmesh.files import replacing
 
 
@@ -40,8 +39,11 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, warn=p
     if problem:
         raise UsageError(f"checkpoint {path} is damaged ({problem}); choose another with --step")
     metadata = safeload.read_metadata(path).state_dict_metadata
-    state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-             for key, meta in metadata.items() if key.startswith("model.") and hasattr(meta, "size")}
+    state = {
+        key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }
     safeload.load(state, path, no_dist=True)
     weights = {key.removeprefix("model."): tensor.contiguous() for key, tensor in state.items()}
     out = Path(out)

@@ -47,17 +47,22 @@ def open_regular(path: str | Path, limit: int | None = None) -> int:
     except FileNotFoundError:
         raise
     except OSError as exc:  # a socket (ENXIO), no permission, a loop of links
-        raise UsageError(f"{str(path)!r} cannot be read ({exc.strerror}); gradmesh reads only regular files in a run "
-                         "dir") from None
+        raise UsageError(
+            f"{str(path)!r} cannot be read ({exc.strerror}); gradmesh reads only regular files in a run dir"
+        ) from None
     info = os.fstat(fd)  # of what was opened: no race with a rename between a check and the read
     if stat.S_ISREG(info.st_mode) and info.st_size <= limit:
         return fd
     os.close(fd)
     if not stat.S_ISREG(info.st_mode):
-        raise UsageError(f"{str(path)!r} is {describe(info.st_mode)}; gradmesh reads only regular files in a run "
-                         "dir: remove it (or put the file itself there)")
-    raise UsageError(f"{str(path)!r} has {info.st_size:,} bytes, more than the {limit:,} gradmesh reads of one "
-                     "run file; move it away")
+        raise UsageError(
+            f"{str(path)!r} is {describe(info.st_mode)}; gradmesh reads only regular files in a run "
+            "dir: remove it (or put the file itself there)"
+        )
+    raise UsageError(
+        f"{str(path)!r} has {info.st_size:,} bytes, more than the {limit:,} gradmesh reads of one "
+        "run file; move it away"
+    )
 
 
 def read_jsonl(path: Path) -> list[dict]:

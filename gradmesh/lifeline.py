@@ -56,8 +56,10 @@ def ignore_stop_signals() -> None:
 
 
 def stopped_line(signum: int, workers: int) -> str:
-    return (f"gradmesh: stopped by {signal.Signals(signum).name}; "
-            f"{workers} worker{'s' if workers != 1 else ''} stopped, none left running")
+    return (
+        f"gradmesh: stopped by {signal.Signals(signum).name}; "
+        f"{workers} worker{'s' if workers != 1 else ''} stopped, none left running"
+    )
 
 
 def exit_code(signum: int) -> int:

@@ -88,8 +88,11 @@ def remove(run_dir: str | Path, under: str = "", keep: tuple[str, ...] = ()) -> 
     """Delete what the manifest lists at or below `under` (relative; '' for everything) but
     `keep`: files and trees first, then folders left empty, deepest first. Returns what went."""
     run_dir = Path(run_dir)
-    listed = [(kind, rel) for kind, rel in entries(run_dir) if rel not in keep
-              and (not under or rel == under or rel.startswith(under + "/"))]
+    listed = [
+        (kind, rel)
+        for kind, rel in entries(run_dir)
+        if rel not in keep and (not under or rel == under or rel.startswith(under + "/"))
+    ]
     listed.sort(key=lambda entry: (entry[0] == "dir", -entry[1].count("/"), entry[1]))
     gone = [run_dir / rel for kind, rel in listed if _remove_one(run_dir, kind, rel)]
     if gone:

@@ -15,11 +15,15 @@ def parse_mesh(text: str, supported: tuple[frozenset, ...]) -> dict[str, int]:
     for part in text.split(","):
         axis, sep, size = part.strip().partition("=")
         if not sep or axis not in MESH_AXES or not whole(size) or int(size) < 1 or axis in shape:
-            raise UsageError(f"--mesh {text!r}: each part must be AXIS=N with AXIS one of "
-                             f"{', '.join(MESH_AXES)} (each once), e.g. dp=2,tp=2")
+            raise UsageError(
+                f"--mesh {text!r}: each part must be AXIS=N with AXIS one of "
+                f"{', '.join(MESH_AXES)} (each once), e.g. dp=2,tp=2"
+            )
         shape[axis] = int(size)
     if frozenset(shape) not in supported:
         accepted = "; ".join(",".join(sorted(s)) for s in supported)
-        raise UsageError(f"--mesh {text!r} combines {', '.join(shape)}, which gradmesh does not compose yet; "
-                         f"supported axis sets: {accepted}")
+        raise UsageError(
+            f"--mesh {text!r} combines {', '.join(shape)}, which gradmesh does not compose yet; "
+            f"supported axis sets: {accepted}"
+        )
     return shape

@@ -62,8 +62,25 @@ class Hosts:
             _ip("-n", name, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
             _ip("-n", name, "link", "set", "eth0", "up")
             if self.rate:
-                self.run_in(i, ["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", self.rate,
-                                "burst", "256kb", "latency", "100ms"], check=True)
+                self.run_in(
+                    i,
+                    [
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        "eth0",
+                        "root",
+                        "tbf",
+                        "rate",
+                        self.rate,
+                        "burst",
+                        "256kb",
+                        "latency",
+                        "100ms",
+                    ],
+                    check=True,
+                )
 
     def __exit__(self, *exc) -> None:
         for name in [*self.names, self.bridge]:  # a namespace takes its veth ends with it
@@ -76,5 +93,6 @@ class Hosts:
         return subprocess.run(self.command(host, cmd), capture_output=True, text=True, **kwargs)
 
     def start(self, host: int, cmd: list[str], **kwargs) -> subprocess.Popen:
-        return subprocess.Popen(self.command(host, cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, **kwargs)
+        return subprocess.Popen(
+            self.command(host, cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+        )

@@ -17,8 +17,12 @@ from gradmesh.errors import UsageError
 NAME_MAX, PATH_MAX = 255, 4096
 """Linux's limits, in bytes: one level of a path (ext4, xfs, btrfs, tmpfs alike), and a whole path."""
 KINDS = {"file": stat.S_ISREG, "folder": stat.S_ISDIR}
-_OTHERS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-           (stat.S_ISSOCK, "a socket"))
+_OTHERS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def describe(mode: int) -> str:
@@ -43,15 +47,20 @@ def check_name(text: str | Path, what: str) -> None:
     longest = max(encoded.split(b"/"), key=len)
     if len(longest) > NAME_MAX:
         level = os.fsdecode(longest)
-        raise UsageError(f"{what}: the name {level[:40] + '...'!r} is {len(longest)} bytes long; a file system takes "
-                         f"at most {NAME_MAX} bytes per folder level; give a shorter name")
+        raise UsageError(
+            f"{what}: the name {level[:40] + '...'!r} is {len(longest)} bytes long; a file system takes "
+            f"at most {NAME_MAX} bytes per folder level; give a shorter name"
+        )
     if len(encoded) >= PATH_MAX:
-        raise UsageError(f"{what} {text[:40] + '...'!r} is {len(encoded)} bytes long; a path may have at most "
-                         f"{PATH_MAX - 1}; give a shorter one")
+        raise UsageError(
+            f"{what} {text[:40] + '...'!r} is {len(encoded)} bytes long; a path may have at most "
+            f"{PATH_MAX - 1}; give a shorter one"
+        )
 
 
-def checked(text: str | Path, what: str, accepted: str, kinds: tuple[str, ...] = ("file",),
-            missing_ok: bool = False) -> Path:
+def checked(
+    text: str | Path, what: str, accepted: str, kinds: tuple[str, ...] = ("file",), missing_ok: bool = False
+) -> Path:
     """`text` as a Path when it is one of `kinds` (or absent, with missing_ok); else a UsageError
     naming what it is and what is accepted."""
     if not str(text).strip():

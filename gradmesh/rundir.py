@@ -17,8 +17,17 @@ from pathlib import Path
 from gradmesh import files, manifest
 from gradmesh.errors import UsageError
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "model.safetensors", "vocab.json", "pipeline.json", "faults.jsonl",
-             "alerts.jsonl", "trace.json", "report.html")
+RUN_FILES = (
+    "metrics.jsonl",
+    "summary.json",
+    "model.safetensors",
+    "vocab.json",
+    "pipeline.json",
+    "faults.jsonl",
+    "alerts.jsonl",
+    "trace.json",
+    "report.html",
+)
 RANK_FILE_PATTERNS = ("samples-rank*.jsonl", "stacks-rank*.txt", "steps-rank*.jsonl")
 RUN_DIRS = ("checkpoints", "tensorboard", "report")
 MARKER = manifest.MARKER
@@ -43,25 +52,33 @@ def check_fresh(run_dir: str | Path, overwrite: bool) -> None:
     refuse_links(run_dir)
     if not is_gradmesh_run(run_dir):
         if any(not entry.name.startswith(OWN_PREFIX) for entry in run_dir.iterdir()):
-            raise UsageError(f"run dir {str(run_dir)!r} is not empty and holds no gradmesh run (no {MARKER}); "
-                             "give a new or empty --run-dir (gradmesh never deletes what it did not write)")
+            raise UsageError(
+                f"run dir {str(run_dir)!r} is not empty and holds no gradmesh run (no {MARKER}); "
+                "give a new or empty --run-dir (gradmesh never deletes what it did not write)"
+            )
         return
     listed = manifest.entries(run_dir)
-    results = [rel for kind, rel in listed if kind == "file" and rel not in RESTATED]  # a folder left for a user's file is none
+    results = [
+        rel for kind, rel in listed if kind == "file" and rel not in RESTATED
+    ]  # a folder left for a user's file is none
     if not overwrite and any(os.path.lexists(run_dir / rel) for rel in results):
-        raise UsageError(f"run dir {str(run_dir)!r} holds a gradmesh run: --resume continues it, "
-                         "--overwrite replaces it")
+        raise UsageError(
+            f"run dir {str(run_dir)!r} holds a gradmesh run: --resume continues it, --overwrite replaces it"
+        )
     unlisted = [p for p in _run_files(run_dir) if p.relative_to(run_dir).as_posix() not in {rel for _, rel in listed}]
     if unlisted:
-        raise UsageError(f"run dir {str(run_dir)!r} has {unlisted[0].name}, which its manifest ({manifest.MANIFEST}) "
-                         "does not list as gradmesh's, and a fresh run would write to it; move it away "
-                         "(gradmesh deletes only what it recorded writing)")
+        raise UsageError(
+            f"run dir {str(run_dir)!r} has {unlisted[0].name}, which its manifest ({manifest.MANIFEST}) "
+            "does not list as gradmesh's, and a fresh run would write to it; move it away "
+            "(gradmesh deletes only what it recorded writing)"
+        )
 
 
 def _run_files(run_dir: Path) -> list[Path]:
     """What a run writes at the top of its folder, by name (never for deleting: to find clashes)."""
-    return ([run_dir / name for name in RUN_FILES if os.path.lexists(run_dir / name)]
-            + sorted(p for pattern in RANK_FILE_PATTERNS for p in run_dir.glob(pattern)))
+    return [run_dir / name for name in RUN_FILES if os.path.lexists(run_dir / name)] + sorted(
+        p for pattern in RANK_FILE_PATTERNS for p in run_dir.glob(pattern)
+    )
 
 
 def refuse_links(run_dir: str | Path) -> None:
@@ -69,8 +86,10 @@ def refuse_links(run_dir: str | Path) -> None:
     run_dir = Path(run_dir)
     for path in [run_dir / name for name in (*RUN_DIRS, *RESTATED, manifest.MANIFEST)] + _run_files(run_dir):
         if path.is_symlink():
-            raise UsageError(f"{str(path)!r} in the run dir is a symbolic link (to {os.readlink(path)!r}); gradmesh "
-                             "never writes or deletes through a link: remove the link or give another --run-dir")
+            raise UsageError(
+                f"{str(path)!r} in the run dir is a symbolic link (to {os.readlink(path)!r}); gradmesh "
+                "never writes or deletes through a link: remove the link or give another --run-dir"
+            )
 
 
 def start_fresh(run_dir: str | Path, overwrite: bool = False) -> list[Path]:

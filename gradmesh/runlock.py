@@ -35,8 +35,10 @@ def _holder(path: Path) -> dict:
 
 def _refuse(run_dir: Path, holder: dict) -> UsageError:
     where = f" on {holder['host']}" if holder.get("host") not in (None, socket.gethostname()) else ""
-    return UsageError(f"run dir {str(run_dir)!r} is in use by another gradmesh run (pid {holder.get('pid', '?')}{where}); "
-                      "wait for it to finish, stop it, or give another --run-dir")
+    return UsageError(
+        f"run dir {str(run_dir)!r} is in use by another gradmesh run (pid {holder.get('pid', '?')}{where}); "
+        "wait for it to finish, stop it, or give another --run-dir"
+    )
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -88,12 +90,16 @@ class RunLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as exc:  # ELOOP: a link; ENXIO: a socket
-            raise UsageError(f"{str(self.path)!r} cannot be opened as gradmesh's lock file ({exc.strerror}); it is "
-                             "gradmesh's own: remove it (or give another --run-dir)") from None
+            raise UsageError(
+                f"{str(self.path)!r} cannot be opened as gradmesh's lock file ({exc.strerror}); it is "
+                "gradmesh's own: remove it (or give another --run-dir)"
+            ) from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise UsageError(f"{str(self.path)!r} is {describe(os.lstat(self.path).st_mode)}, not gradmesh's lock file; "
-                             "remove it (or give another --run-dir)")
+            raise UsageError(
+                f"{str(self.path)!r} is {describe(os.lstat(self.path).st_mode)}, not gradmesh's lock file; "
+                "remove it (or give another --run-dir)"
+            )
         return fd
 
     def _named_holder(self) -> dict:

@@ -20,7 +20,6 @@ from gradmesh.errors import UsageError
 from gradmesh.mesh import DATA_AXES, MESH_AXES
 
 
-
 def resolve_device(requested: str) -> str:
     """'auto' becomes cuda where a GPU is present, else cpu."""
     if requested == "auto":
@@ -138,9 +137,7 @@ class Topology:
             raise UsageError(f"unknown mesh axes {sorted(unknown)}; accepted: {', '.join(MESH_AXES)}")
         product = math.prod(self.mesh_shape.values())
         if product != self.world_size:
-            raise UsageError(
-                f"mesh {self.mesh_shape} has {product} ranks but the world size is {self.world_size}"
-            )
+            raise UsageError(f"mesh {self.mesh_shape} has {product} ranks but the world size is {self.world_size}")
 
     @property
     def device(self) -> torch.device:
@@ -181,9 +178,15 @@ class Topology:
             store = stores.loopback_store()
             env.default_master(store.port)
         where = env.placement()
-        return cls(rank=where.rank, world_size=where.world_size, local_rank=where.local_rank,
-                   local_world_size=where.local_world_size, device_type=resolve_device(device),
-                   mesh_shape=dict(mesh_shape or {}), store=store)
+        return cls(
+            rank=where.rank,
+            world_size=where.world_size,
+            local_rank=where.local_rank,
+            local_world_size=where.local_world_size,
+            device_type=resolve_device(device),
+            mesh_shape=dict(mesh_shape or {}),
+            store=store,
+        )
 
     def start(self, generation: int = 0) -> "Topology":
         """Create the process group and the named device mesh (world size 1 included).
@@ -202,9 +205,7 @@ class Topology:
                 timeout=_collective_timeout(),
             )
         names = tuple(self.mesh_shape)
-        self.mesh = init_device_mesh(
-            self.device_type, tuple(self.mesh_shape[n] for n in names), mesh_dim_names=names
-        )
+        self.mesh = init_device_mesh(self.device_type, tuple(self.mesh_shape[n] for n in names), mesh_dim_names=names)
         self.side_groups = {}
         return self
 
@@ -216,8 +217,10 @@ class Topology:
             return self.mesh[name].get_group()
         if name in self.side_groups:
             return self.side_groups[name]
-        raise KeyError(f"no process group named {name!r}; this topology has world, "
-                       f"{', '.join(self.mesh_shape)} and {', '.join(self.side_groups) or 'no side groups'}")
+        raise KeyError(
+            f"no process group named {name!r}; this topology has world, "
+            f"{', '.join(self.mesh_shape)} and {', '.join(self.side_groups) or 'no side groups'}"
+        )
 
     def side_group(self, name: str, waits_on_peers: bool = False) -> dist.ProcessGroup:
         """A gloo group over every rank, kept apart from training's traffic (metrics, checkpoint

@@ -16,11 +16,11 @@ from gradmesh import config as configuration
 from gradmesh import env, workloads
 from gradmesh.fault import inplace
 from gradmesh.files import atomic_write
+from gradmesh.loop.nonfinite import EXIT_NONFINITE, NonFiniteError
+from gradmesh.loop.trainer import Trainer, init
 from gradmesh.parallel import registry
 from gradmesh.parallel.registry import mesh_for
 from gradmesh.topology import local_device
-from gradmesh.loop.nonfinite import EXIT_NONFINITE, NonFiniteError
-from gradmesh.loop.trainer import Trainer, init
 
 
 class RankPrefixed:
@@ -44,8 +44,43 @@ class RankPrefixed:
 
 def run_info(cfg: configuration.Config) -> dict:
     """What a checkpoint must match to be resumed: everything that shapes the model and the data."""
-    return {"model": vars(cfg.model).copy(), "data": vars(cfg.data).copy(),
-            "global_batch_size": cfg.train.global_batch_size, "seed": cfg.train.seed}
+    return {
+        "model": vars(cfg.model).copy(),
+        "data": vars(cfg.data).copy(),
+        "global_batch_size": cfg.train.global_batch_size,
+        "seed": cfg.train.seed,
+    }
+
+
+def _trainer(cfg: configuration.Config, session, workload, run_dir: Path) -> Trainer:
+    return Trainer(
+        session,
+        workload.model,
+        workload.loss_fn,
+        workload.train_data,
+        train=cfg.train,
+        checkpointing=cfg.checkpoint,
+        run_dir=run_dir,
+        eval_fn=workload.eval_fn,
+        quiet=cfg.run.quiet,
+        run_info=run_info(cfg),
+        criterion=workload.criterion,
+        faults=cfg.fault,
+        monitor=cfg.monitor,
+        ps=cfg.ps,
+        optimizer=workload.optimizer,
+    )
+
+
+def _write_results(trainer: Trainer, workload, run_dir: Path, summary: dict) -> None:
+    """Rank 0's end of a run: a sample from the model, vocab.json, summary.json and the table."""
+    sample = workload.finish(trainer.final_weights)
+    extra = {"sample": sample} if sample else {}
+    if "vocab" in workload.info:
+        atomic_write(run_dir / "vocab.json", json.dumps(workload.info["vocab"]))
+    summary.update(extra)
+    atomic_write(run_dir / "summary.json", json.dumps(summary, indent=1))
+    trainer.print_summary(sample)
 
 
 def train(cfg: configuration.Config) -> dict:
@@ -54,30 +89,24 @@ def train(cfg: configuration.Config) -> dict:
     if inplace.joining():  # a replacement builds its model first: the members pause only for the hand-over
         workload = workloads.build(cfg, local_device(cfg.launch.device))
     try:
-        session = init(device=cfg.launch.device, seed=cfg.train.seed,
-                       mesh=mesh_for(cfg.train.strategy, world_size, cfg.train.mesh))
+        session = init(
+            device=cfg.launch.device, seed=cfg.train.seed, mesh=mesh_for(cfg.train.strategy, world_size, cfg.train.mesh)
+        )
     except inplace.RunFinished:
-        print(f"gradmesh: the run finished before the replacement for rank {env.placement().rank} could join",
-              file=sys.stderr)
+        print(
+            f"gradmesh: the run finished before the replacement for rank {env.placement().rank} could join",
+            file=sys.stderr,
+        )
         return {}
     if session.identity != 0:
         sys.stdout, sys.stderr = RankPrefixed(sys.stdout, session.identity), RankPrefixed(sys.stderr, session.identity)
     run_dir = Path(cfg.run.dir)
     remote = "server" in registry.get(cfg.train.strategy).roles  # sparse tables live on the servers
     workload = workload or workloads.build(cfg, session.device, remote_tables=remote)
-    trainer = Trainer(session, workload.model, workload.loss_fn, workload.train_data, train=cfg.train,
-                      checkpointing=cfg.checkpoint, run_dir=run_dir, eval_fn=workload.eval_fn,
-                      quiet=cfg.run.quiet, run_info=run_info(cfg), criterion=workload.criterion,
-                      faults=cfg.fault, monitor=cfg.monitor, ps=cfg.ps, optimizer=workload.optimizer)
+    trainer = _trainer(cfg, session, workload, run_dir)
     summary = trainer.fit()
     if session.rank == 0:
-        sample = workload.finish(trainer.final_weights)
-        extra = {"sample": sample} if sample else {}
-        if "vocab" in workload.info:
-            atomic_write(run_dir / "vocab.json", json.dumps(workload.info["vocab"]))
-        summary.update(extra)
-        atomic_write(run_dir / "summary.json", json.dumps(summary, indent=1))
-        trainer.print_summary(sample)
+        _write_results(trainer, workload, run_dir, summary)
     session.close()
     return summary
 

@@ -61,8 +61,13 @@ def gpt_char(cfg: Config, device: torch.device) -> Workload:
     text = load_text(cfg.data.path, cfg.data.max_chars)
     train, held_out, vocab = char_datasets(text, cfg.model.block_size, cfg.data.eval_fraction)
     model_cfg = gpt.GPTConfig(
-        vocab_size=len(vocab.chars), block_size=cfg.model.block_size, n_layer=cfg.model.n_layer,
-        n_head=cfg.model.n_head, n_embd=cfg.model.n_embd, dropout=cfg.model.dropout, bias=cfg.model.bias,
+        vocab_size=len(vocab.chars),
+        block_size=cfg.model.block_size,
+        n_layer=cfg.model.n_layer,
+        n_head=cfg.model.n_head,
+        n_embd=cfg.model.n_embd,
+        dropout=cfg.model.dropout,
+        bias=cfg.model.bias,
     )
     model = gpt.GPT(model_cfg)
     batches = _held_out_batches(held_out, cfg.train.eval_batches, cfg.train.global_batch_size)
@@ -78,12 +83,12 @@ def gpt_char(cfg: Config, device: torch.device) -> Workload:
         plain.eval()
         start = "def " if set("def ") <= set(vocab.chars) else text[0]
         prompt = vocab.encode(start)[None, :]
-        out = plain.generate(prompt, cfg.train.sample_chars, top_k=10,
-                             generator=torch.Generator().manual_seed(cfg.train.seed))
+        out = plain.generate(
+            prompt, cfg.train.sample_chars, top_k=10, generator=torch.Generator().manual_seed(cfg.train.seed)
+        )
         return vocab.decode(out[0].tolist())
 
-    info = {"vocab": vocab.chars, "corpus_chars": len(text), "train_samples": len(train),
-            "eval_samples": len(held_out)}
+    info = {"vocab": vocab.chars, "corpus_chars": len(text), "train_samples": len(train), "eval_samples": len(held_out)}
     return Workload(model, gpt.per_sample_loss, train, evaluate, gpt.sample_losses, sample, info)
 
 
@@ -123,19 +128,28 @@ def recsys(cfg: Config, device: torch.device, remote_tables: bool = False) -> Wo
         from sklearn.metrics import log_loss, roc_auc_score
 
         if not ceiling:
-            ceiling.update(auc_ceiling=float(roc_auc_score(labels, held_out.truth.numpy())),
-                           loss_ceiling=float(log_loss(labels, held_out.truth.numpy(), labels=[0, 1])))
+            ceiling.update(
+                auc_ceiling=float(roc_auc_score(labels, held_out.truth.numpy())),
+                loss_ceiling=float(log_loss(labels, held_out.truth.numpy(), labels=[0, 1])),
+            )
         logits = []
         for start in range(0, len(held_out), batch):
             dense, ids, _ = fetch(held_out, list(range(start, min(start + batch, len(held_out)))))
             logits.append(net(dense.to(device), ids.to(device)).float().cpu())
         scores = torch.cat(logits)
         probabilities = torch.sigmoid(scores).double().numpy()
-        return {"loss": float(dlrm.sample_losses(scores, held_out.clicks).mean()),
-                "auc": float(roc_auc_score(labels, probabilities)), **ceiling}
+        return {
+            "loss": float(dlrm.sample_losses(scores, held_out.clicks).mean()),
+            "auc": float(roc_auc_score(labels, probabilities)),
+            **ceiling,
+        }
 
-    info = {"train_samples": len(train), "eval_samples": len(held_out), "table_rows": list(spec.rows),
-            "click_rate": float(train.clicks.mean())}
+    info = {
+        "train_samples": len(train),
+        "eval_samples": len(held_out),
+        "table_rows": list(spec.rows),
+        "click_rate": float(train.clicks.mean()),
+    }
     return Workload(model, dlrm.per_sample_loss, train, evaluate, info=info, optimizer=recsys_optimizer(cfg, model))
 
 
@@ -185,9 +199,16 @@ def meta_model(cfg: Config) -> nn.Module:
     with torch.device("meta"), _MetaInitSkipped():
         if cfg.model.name == "gpt-char":
             vocab = CharVocab.of(load_text(cfg.data.path, cfg.data.max_chars))
-            return gpt.GPT(gpt.GPTConfig(
-                vocab_size=len(vocab.chars), block_size=cfg.model.block_size, n_layer=cfg.model.n_layer,
-                n_head=cfg.model.n_head, n_embd=cfg.model.n_embd, bias=cfg.model.bias))
+            return gpt.GPT(
+                gpt.GPTConfig(
+                    vocab_size=len(vocab.chars),
+                    block_size=cfg.model.block_size,
+                    n_layer=cfg.model.n_layer,
+                    n_head=cfg.model.n_head,
+                    n_embd=cfg.model.n_embd,
+                    bias=cfg.model.bias,
+                )
+            )
         if cfg.model.name == "recsys":
             return dlrm.DLRM(click_spec(cfg).rows, cfg.model.dim, clicks.DENSE, cfg.model.hidden, materialize=False)
         return mlp.MLP(hidden=cfg.model.hidden)
@@ -201,11 +222,13 @@ def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 def check_inputs(cfg: Config) -> None:
     """Fail fast (UsageError) on data problems before any worker starts."""
     if cfg.data.path and cfg.model.name != "gpt-char":  # silently training on other data would mislead
-        raise UsageError(f"data.path {cfg.data.path!r}: {cfg.model.name} trains on its own built-in data; "
-                         "--data is read by gpt-char only")
+        raise UsageError(
+            f"data.path {cfg.data.path!r}: {cfg.model.name} trains on its own built-in data; "
+            "--data is read by gpt-char only"
+        )
     if cfg.model.name == "gpt-char":
         text = load_text(cfg.data.path, cfg.data.max_chars)
         char_datasets(text, cfg.model.block_size, cfg.data.eval_fraction)
 
 
-__all__ = ["Workload", "build", "check_inputs", "CharVocab"]
+__all__ = ["CharVocab", "Workload", "build", "check_inputs"]

@@ -13,8 +13,13 @@ from gradmesh.cli import export, monitor, run, train
 from gradmesh.cli.options import Parser
 from gradmesh.errors import EXIT_USAGE, NothingToDo, UsageError
 
-COMMANDS = {"train": train.cmd_train, "run": run.cmd_run, "export": export.cmd_export,
-            "monitor": monitor.cmd_monitor, "report": monitor.cmd_report}
+COMMANDS = {
+    "train": train.cmd_train,
+    "run": run.cmd_run,
+    "export": export.cmd_export,
+    "monitor": monitor.cmd_monitor,
+    "report": monitor.cmd_report,
+}
 
 
 def build_parser() -> Parser:

@@ -8,8 +8,11 @@ from gradmesh.paths import checked
 
 
 def add_parser(subparsers) -> None:
-    exporter = subparsers.add_parser("export", help="write one unsharded .safetensors file from a checkpoint",
-                                     description="Export a checkpoint (any strategy, any world size) as one unsharded safetensors file.")
+    exporter = subparsers.add_parser(
+        "export",
+        help="write one unsharded .safetensors file from a checkpoint",
+        description="Export a checkpoint (any strategy, any world size) as one unsharded safetensors file.",
+    )
     exporter.add_argument("run_dir", metavar="RUN_DIR")
     exporter.add_argument("--step", type=integer, metavar="N", help="checkpoint step (default: the latest)")
     exporter.add_argument("--out", required=True, metavar="FILE.safetensors")

@@ -22,8 +22,11 @@ def model_size(cfg: configuration.Config, model) -> registry.ModelSize:
     from gradmesh.parallel.tensor import tp_parameter_count
 
     optimizer_class, kwargs = optimizer_spec(cfg.train)
-    return registry.ModelSize(params=sum(p.numel() for p in model.parameters()),
-                              slots=optimizer_slots(optimizer_class, kwargs), tp_params=tp_parameter_count(model))
+    return registry.ModelSize(
+        params=sum(p.numel() for p in model.parameters()),
+        slots=optimizer_slots(optimizer_class, kwargs),
+        tp_params=tp_parameter_count(model),
+    )
 
 
 def check_memory(cfg: configuration.Config, plan: registry.Plan, meta_model, nproc: int, device: str) -> None:
@@ -40,12 +43,17 @@ def check_memory(cfg: configuration.Config, plan: registry.Plan, meta_model, npr
     if need <= have:
         return
     where = f"each GPU has {have / GIB:.1f} GiB" if device == "cuda" else f"this machine has {have / GIB:.1f} GiB"
-    advice = [f"a smaller model ({SIZE_KEYS[cfg.model.name]})", *_sharded(size, nproc * cfg.launch.nnodes, sharing, need),
-              "more machines (--nnodes)"]
+    advice = [
+        f"a smaller model ({SIZE_KEYS[cfg.model.name]})",
+        *_sharded(size, nproc * cfg.launch.nnodes, sharing, need),
+        "more machines (--nnodes)",
+    ]
     raise UsageError(
         f"the model does not fit: its {size.params:,} parameters need ~{need / GIB:.1f} GiB of parameters, gradients "
         f"and {cfg.train.optimizer} state ({plan.label}, {sharing} rank(s) sharing the memory) but {where}; use "
-        + ", ".join(advice[:-1]) + f" or {advice[-1]}")
+        + ", ".join(advice[:-1])
+        + f" or {advice[-1]}"
+    )
 
 
 def _sharded(size: registry.ModelSize, world: int, sharing: int, need: float) -> list[str]:
@@ -62,6 +70,8 @@ def _check_data(cfg: configuration.Config, nproc: int, have: int | None) -> None
     need = workloads.data_bytes(cfg) * nproc
     if have is None or need <= have / 2:  # the model, torch and the generation's temporaries need the rest
         return
-    raise UsageError(f"model.samples={cfg.model.samples:,}: the click log takes ~{need / GIB:.1f} GiB on {nproc} "
-                     f"rank(s) (each holds all of it) but this machine has {have / GIB:.1f} GiB; use at most "
-                     f"model.samples={int(cfg.model.samples * have / 2 / need):,}")
+    raise UsageError(
+        f"model.samples={cfg.model.samples:,}: the click log takes ~{need / GIB:.1f} GiB on {nproc} "
+        f"rank(s) (each holds all of it) but this machine has {have / GIB:.1f} GiB; use at most "
+        f"model.samples={int(cfg.model.samples * have / 2 / need):,}"
+    )

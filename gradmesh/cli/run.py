@@ -8,8 +8,11 @@ from gradmesh.paths import checked
 
 
 def add_parser(subparsers) -> None:
-    script = subparsers.add_parser("run", help="run your own torch.distributed script on N workers",
-                                   description="Run SCRIPT.py on N workers, as torchrun would (options before the script).")
+    script = subparsers.add_parser(
+        "run",
+        help="run your own torch.distributed script on N workers",
+        description="Run SCRIPT.py on N workers, as torchrun would (options before the script).",
+    )
     add_launch_options(script)
     script.add_argument("script", metavar="SCRIPT.py")
     script.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...")

@@ -8,4 +8,4 @@ pipeline stages' sends and receives.
 
 from gradmesh.comm.reducer import CommCounter, Counted, Guarded, MeanAllReduce, Reducer, Timed, build_reducer
 
-__all__ = ["Reducer", "MeanAllReduce", "Counted", "Timed", "Guarded", "CommCounter", "build_reducer"]
+__all__ = ["CommCounter", "Counted", "Guarded", "MeanAllReduce", "Reducer", "Timed", "build_reducer"]

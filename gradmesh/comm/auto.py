@@ -69,8 +69,11 @@ def probe_bandwidth(group, device: torch.device, repeats: int = 3) -> dict:
     seconds = torch.tensor([(time.perf_counter() - started) / repeats])
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
     ranks = dist.get_world_size(group)
-    return {"probe_bytes": PROBE_BYTES, "probe_s": seconds.item(),
-            "bandwidth_Bps": 2 * (ranks - 1) / ranks * PROBE_BYTES / max(seconds.item(), 1e-9)}
+    return {
+        "probe_bytes": PROBE_BYTES,
+        "probe_s": seconds.item(),
+        "bandwidth_Bps": 2 * (ranks - 1) / ranks * PROBE_BYTES / max(seconds.item(), 1e-9),
+    }
 
 
 def decide(shapes: list[torch.Size], ranks: int, bandwidth: float, step_s: float, feedback_ok: bool) -> dict:
@@ -83,9 +86,18 @@ def decide(shapes: list[torch.Size], ranks: int, bandwidth: float, step_s: float
     if comm_s <= SHARE * compute_s:
         choice, why = "none", f"the all-reduce would take {comm_s / compute_s:.1%} of compute (<= {SHARE:.0%})"
     elif feedback_ok and shrinks * 2 >= params:
-        choice, why = "powersgd:rank=4", f"the all-reduce would take {comm_s / compute_s:.0%} of compute; " \
-                                         f"{shrinks / params:.0%} of the parameters are matrices it shrinks"
+        choice, why = (
+            "powersgd:rank=4",
+            f"the all-reduce would take {comm_s / compute_s:.0%} of compute; "
+            f"{shrinks / params:.0%} of the parameters are matrices it shrinks",
+        )
     else:
         choice, why = "bf16", f"the all-reduce would take {comm_s / compute_s:.0%} of compute"
-    return {"params": params, "estimated_comm_s": comm_s, "step_s": step_s, "compute_s": compute_s,
-            "choice": choice, "reason": why}
+    return {
+        "params": params,
+        "estimated_comm_s": comm_s,
+        "step_s": step_s,
+        "compute_s": compute_s,
+        "choice": choice,
+        "reason": why,
+    }

@@ -58,7 +58,7 @@ class PushCodec:
         top = flat.abs().max() if flat.numel() else torch.zeros(())
         exponent = 14 - int(torch.frexp(top).exponent) if 0 < top < float("inf") else 0
         head = torch.tensor([float(exponent)], dtype=self.dtype, device=flat.device)
-        return torch.cat([flat.mul(2.0 ** exponent).to(self.dtype), head])
+        return torch.cat([flat.mul(2.0**exponent).to(self.dtype), head])
 
     def buffer(self, into: torch.Tensor) -> torch.Tensor:
         """Where a push meant for `into` (fp32) is received: `into` itself when pushes travel in
@@ -71,7 +71,7 @@ class PushCodec:
         """Widen `payload` (from `buffer(into)`) into `into`; nothing to do if it was `into`."""
         if payload is into:
             return
-        into.copy_(payload[:into.numel()].view_as(into))
+        into.copy_(payload[: into.numel()].view_as(into))
         if self.scaled:
             into.mul_(2.0 ** -int(payload[-1]))
 

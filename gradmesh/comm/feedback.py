@@ -51,7 +51,7 @@ def _mean(pieces: list[torch.Tensor], group) -> None:
     dist.all_reduce(flat, group=group)
     offset = 0
     for piece in pieces:
-        piece.copy_(flat[offset:offset + piece.numel()].view_as(piece))
+        piece.copy_(flat[offset : offset + piece.numel()].view_as(piece))
         offset += piece.numel()
 
 
@@ -81,7 +81,7 @@ class ErrorFeedback(Reducer):
             raise RuntimeError(f"--compression {self.name} needs each parameter's place in the bucket")
         plain, named, offset = [], [], 0
         for name, shape in parts:
-            piece = tensor[offset:offset + math.prod(shape)]
+            piece = tensor[offset : offset + math.prod(shape)]
             offset += piece.numel()
             if self.seen.get(name, 0) >= self.start and self.compresses(shape):
                 named.append((name, piece.view(shape)))
@@ -195,8 +195,11 @@ class TopK(ErrorFeedback):
         for (_, gradient), start, k in zip(named, _offsets(kept), kept):
             total = torch.zeros(gradient.numel(), dtype=gradient.dtype, device=gradient.device)
             for theirs in everyone:  # rank order, whatever the arrival order
-                total.index_add_(0, theirs[start + k:start + 2 * k].view(torch.int32).long(),
-                                 theirs[start:start + k].to(gradient.dtype))
+                total.index_add_(
+                    0,
+                    theirs[start + k : start + 2 * k].view(torch.int32).long(),
+                    theirs[start : start + k].to(gradient.dtype),
+                )
             gradient.copy_(total.div_(group.size()).view_as(gradient))
 
 

@@ -74,8 +74,10 @@ class WireError(Exception):
     def __init__(self, sender: int, kind: "Kind | None", field: str, value, accepted: str):
         what = f"a {kind.name} message" if kind is not None else "a message"
         value = value.name if isinstance(value, Kind) else value
-        super().__init__(f"parameter-server wire: rank {sender} sent {what} with {field}={value}, which is "
-                         f"not accepted here (accepted: {accepted})")
+        super().__init__(
+            f"parameter-server wire: rank {sender} sent {what} with {field}={value}, which is "
+            f"not accepted here (accepted: {accepted})"
+        )
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,10 @@ class Message:
     norm_sq: float = 0.0
 
     def encode(self) -> torch.Tensor:
-        head = torch.tensor([int(self.kind), self.clock, self.chunk, self.version, self.samples, self.bucket,
-                             self.oldest, 0, 0], dtype=torch.int64)
+        head = torch.tensor(
+            [int(self.kind), self.clock, self.chunk, self.version, self.samples, self.bucket, self.oldest, 0, 0],
+            dtype=torch.int64,
+        )
         head[7:].view(torch.float64).copy_(torch.tensor([self.loss, self.norm_sq], dtype=torch.float64))
         return head
 

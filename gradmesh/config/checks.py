@@ -58,17 +58,26 @@ def rendezvous(launch) -> None:
         raise UsageError("launch.nnodes > 1 needs --rdzv-endpoint HOST:PORT")
     host, _, port = launch.rdzv_endpoint.rpartition(":")
     if launch.rdzv_endpoint and not (host and whole(port) and 1 <= int(port) <= 65535):
-        raise UsageError(f"--rdzv-endpoint {launch.rdzv_endpoint!r}: expected HOST:PORT with PORT from 1 to 65535, "
-                         "e.g. 10.0.0.1:29400")
+        raise UsageError(
+            f"--rdzv-endpoint {launch.rdzv_endpoint!r}: expected HOST:PORT with PORT from 1 to 65535, "
+            "e.g. 10.0.0.1:29400"
+        )
     if not -1 <= launch.node_rank < launch.nnodes:
-        raise UsageError(f"--node-rank {launch.node_rank}: a job of {launch.nnodes} machine(s) has node ranks "
-                         f"0..{launch.nnodes - 1} (or -1: assigned by the rendezvous)")
+        raise UsageError(
+            f"--node-rank {launch.node_rank}: a job of {launch.nnodes} machine(s) has node ranks "
+            f"0..{launch.nnodes - 1} (or -1: assigned by the rendezvous)"
+        )
     if launch.rdzv_backend == "static" and launch.nnodes > 1 and launch.node_rank < 0:
         raise UsageError("--rdzv-backend static needs --node-rank R on every machine (0..nnodes-1)")
-    bad = [item for item in launch.rdzv_conf.split(",") if item and not item.partition("=")[0].strip()
-           or item and "=" not in item]
+    bad = [
+        item
+        for item in launch.rdzv_conf.split(",")
+        if (item and not item.partition("=")[0].strip()) or (item and "=" not in item)
+    ]
     if bad:
-        raise UsageError(f"--rdzv-conf {launch.rdzv_conf!r}: expected key=value pairs separated by commas, "
-                         "e.g. is_host=true,join_timeout=600")
+        raise UsageError(
+            f"--rdzv-conf {launch.rdzv_conf!r}: expected key=value pairs separated by commas, "
+            "e.g. is_host=true,join_timeout=600"
+        )
     if not launch.rdzv_id.strip():
         raise UsageError("launch.rdzv_id is empty: give --rdzv-id ID, the same on every machine of the job")

@@ -3,10 +3,15 @@
 from gradmesh.errors import UsageError
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd:rank=R[,start=N]", "topk:ratio=K[,start=N]", "auto")
-ACCEPTED = ("none, fp16, bf16, powersgd:rank=R[,start=N] (R >= 1, N >= 0), topk:ratio=K[,start=N] (0 < K <= 1) "
-            "or auto")
-PARAMETERS = {"none": {}, "fp16": {}, "bf16": {}, "powersgd": {"rank": int, "start": int}, "topk": {"ratio": float, "start": int},
-              "auto": {}}
+ACCEPTED = "none, fp16, bf16, powersgd:rank=R[,start=N] (R >= 1, N >= 0), topk:ratio=K[,start=N] (0 < K <= 1) or auto"
+PARAMETERS = {
+    "none": {},
+    "fp16": {},
+    "bf16": {},
+    "powersgd": {"rank": int, "start": int},
+    "topk": {"ratio": float, "start": int},
+    "auto": {},
+}
 REQUIRED = {"powersgd": ("rank",), "topk": ("ratio",)}
 DEFAULTS = {"powersgd": {"start": 2}}
 """PowerSGD starts after 2 plain steps: DDP rebuilds its buckets after the first (as torch's own
@@ -27,10 +32,11 @@ def parse_compression(text: str) -> tuple[str, dict]:
         except ValueError:
             found[key] = None
         if found[key] is None:
-            raise UsageError(f"--compression {text!r}: {item!r} is not a valid parameter of {method}; accepted: {ACCEPTED}")
+            raise UsageError(
+                f"--compression {text!r}: {item!r} is not a valid parameter of {method}; accepted: {ACCEPTED}"
+            )
     missing = [key for key in REQUIRED.get(method, ()) if key not in found]
-    bad = (found.get("rank", 1) < 1 or found.get("start", 0) < 0
-           or not 0 < found.get("ratio", 1) <= 1)
+    bad = found.get("rank", 1) < 1 or found.get("start", 0) < 0 or not 0 < found.get("ratio", 1) <= 1
     if missing or bad:
         raise UsageError(f"--compression {text!r} needs {method}'s parameters in range; accepted: {ACCEPTED}")
     return method, found

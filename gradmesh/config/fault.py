@@ -56,8 +56,10 @@ class FaultConfig:
         if self.step_timeout != AUTO_STEP_TIMEOUT:
             positive("fault", "step_timeout", self.step_timeout, allow_zero=True)
         if self.on_nonfinite == "rollback" and self.recovery == "inplace":
-            raise UsageError("--on-nonfinite rollback goes back to a checkpoint with the same group of ranks; "
-                             "with --recovery inplace use --on-nonfinite stop or skip")
+            raise UsageError(
+                "--on-nonfinite rollback goes back to a checkpoint with the same group of ranks; "
+                "with --recovery inplace use --on-nonfinite stop or skip"
+            )
         parse_inject(self.inject)
 
     @property

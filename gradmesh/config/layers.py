@@ -57,17 +57,14 @@ def build(layers: list[dict[str, dict]]) -> Config:
     for layer in layers:
         for section, values in layer.items():
             if section not in SECTIONS:
-                raise UsageError(
-                    f"unknown config section {section!r}; accepted: {', '.join(SECTIONS)}"
-                )
+                raise UsageError(f"unknown config section {section!r}; accepted: {', '.join(SECTIONS)}")
             if not isinstance(values, dict):
                 raise UsageError(f"config section [{section}] must be a table")
             kinds = section_fields(section)
             for key, raw in values.items():
                 if key not in kinds:
                     raise UsageError(
-                        f"unknown config key {section}.{key}; accepted: "
-                        + ", ".join(f"{section}.{k}" for k in kinds)
+                        f"unknown config key {section}.{key}; accepted: " + ", ".join(f"{section}.{k}" for k in kinds)
                     )
                 merged[section][key] = _coerce(f"{section}.{key}", kinds[key], raw)
     model = merged["model"].get("name", SECTIONS["model"]().name)

@@ -46,8 +46,10 @@ class PSConfig:
         positive("ps", "servers", self.servers)
         positive("ps", "shares", self.shares)
         if self.shares > MAX_SHARES:
-            raise UsageError(f"ps.shares must be 1..{MAX_SHARES} (each share is a pull and a push of the parameters), "
-                             f"got {self.shares}")
+            raise UsageError(
+                f"ps.shares must be 1..{MAX_SHARES} (each share is a pull and a push of the parameters), "
+                f"got {self.shares}"
+            )
         parse_ps_mode(self.mode)
 
     @property
@@ -60,7 +62,12 @@ def check_ps_options_need_ps(cfg, strategy: str, with_servers: list[str]) -> Non
     """--ps-servers and --ps-mode mean nothing to another strategy: refused rather than ignored
     (except on --resume, where they come from the saved config of a run that used ps)."""
     given, default = cfg.ps, PSConfig()
-    if strategy not in with_servers and not cfg.checkpoint.resume and \
-            (given.servers, given.mode, given.shares) != (default.servers, default.mode, default.shares):
-        raise UsageError(f"--ps-servers, --ps-mode and --ps-shares apply to --strategy {' or '.join(with_servers)}, not "
-                         f"{strategy}; leave them out or give --strategy {with_servers[0]}")
+    if (
+        strategy not in with_servers
+        and not cfg.checkpoint.resume
+        and (given.servers, given.mode, given.shares) != (default.servers, default.mode, default.shares)
+    ):
+        raise UsageError(
+            f"--ps-servers, --ps-mode and --ps-shares apply to --strategy {' or '.join(with_servers)}, not "
+            f"{strategy}; leave them out or give --strategy {with_servers[0]}"
+        )

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import tomli_w
 
 from gradmesh.config import checks as _checks
+from gradmesh.config.balance import parse_balance
 from gradmesh.config.checks import finite as _finite
 from gradmesh.config.checks import one_of as _one_of
 from gradmesh.config.checks import positive as _positive
-from gradmesh.config.balance import parse_balance
 from gradmesh.config.compression import parse_compression
 from gradmesh.config.fault import RECOVERY, FaultConfig  # noqa: F401 (re-exported)
 from gradmesh.config.ps import PSConfig
@@ -32,13 +32,15 @@ class TrainConfig:
     """Parallelism strategy, a row of the strategy registry (`gradmesh.parallel.registry`): ddp, zero1
     (optimizer state sharded), fsdp (everything sharded), tp (tensor parallel) or pipeline; checked there."""
     mesh: str = ""
-    """Named device mesh composing strategies, e.g. "dp=2,tp=2", "fsdp=2,tp=2" or "dp=2,pp=2" (empty: the strategy alone)."""
+    """Named device mesh composing strategies, e.g. "dp=2,tp=2", "fsdp=2,tp=2" or "dp=2,pp=2" (empty: the
+    strategy alone)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b or interleaved (1F1B with two stages per rank)."""
     microbatches: int = 4
     """Micro-batches each pipeline cuts its share of a batch into."""
     pp_split: str = ""
-    """Manual pipeline cut: comma-separated units that begin stages 1, 2, ... e.g. "h.2" (empty: balanced by measured cost)."""
+    """Manual pipeline cut: comma-separated units that begin stages 1, 2, ... e.g. "h.2" (empty: balanced by
+    measured cost)."""
     global_batch_size: int = 32
     """Samples per optimizer step summed over all ranks and micro-batches."""
     grad_accum: int = 1
@@ -92,7 +94,15 @@ class TrainConfig:
         parse_compression(self.compression)
         parse_balance(self.balance)
         _one_of("train", "pp_schedule", self.pp_schedule, PP_SCHEDULES)
-        for name in ("global_batch_size", "grad_accum", "microbatches", "max_steps", "decay_steps", "eval_batches", "log_every"):
+        for name in (
+            "global_batch_size",
+            "grad_accum",
+            "microbatches",
+            "max_steps",
+            "decay_steps",
+            "eval_batches",
+            "log_every",
+        ):
             _positive("train", name, getattr(self, name))
         for name in ("warmup_steps", "eval_every", "sample_chars", "weight_decay", "grad_clip"):
             _positive("train", name, getattr(self, name), allow_zero=True)
@@ -143,7 +153,8 @@ class MonitorConfig:
     check_every: int = 50
     """Compare a checksum of every parameter across data-parallel replicas every N steps; 0: never."""
     trace_steps: str = ""
-    """A:B writes trace.json (Chrome/Perfetto format) with every rank's phases and collectives of steps A..B (at most 200)."""
+    """A:B writes trace.json (Chrome/Perfetto format) with every rank's phases and collectives of steps A..B
+    (at most 200)."""
     tensorboard: bool = False
     """Write TensorBoard event files to RUN_DIR/tensorboard."""
     prometheus_port: int = 0
@@ -152,11 +163,15 @@ class MonitorConfig:
     def __post_init__(self):
         _finite(self)
         if self.straggler_margin <= 0:
-            raise UsageError(f"monitor.straggler_margin must be > 0 (a fraction, e.g. 0.5), got {self.straggler_margin}")
+            raise UsageError(
+                f"monitor.straggler_margin must be > 0 (a fraction, e.g. 0.5), got {self.straggler_margin}"
+            )
         _positive("monitor", "straggler_steps", self.straggler_steps)
         _positive("monitor", "check_every", self.check_every, allow_zero=True)
         if not 0 <= self.prometheus_port <= 65535:
-            raise UsageError(f"monitor.prometheus_port must be a port number 1..65535 (or 0: off), got {self.prometheus_port}")
+            raise UsageError(
+                f"monitor.prometheus_port must be a port number 1..65535 (or 0: off), got {self.prometheus_port}"
+            )
         if self.trace_steps:
             _checks.trace_steps(self.trace_steps)
 
@@ -180,7 +195,8 @@ class LaunchConfig:
     rdzv_conf: str = ""
     """Extra rendezvous settings, key=value,... (torchrun's --rdzv-conf), e.g. is_host=true,join_timeout=600."""
     iface: str = ""
-    """Network interface for gloo/NCCL and this node's address (multi-node); empty: the one the route to the endpoint uses."""
+    """Network interface for gloo/NCCL and this node's address (multi-node); empty: the one the route to the
+    endpoint uses."""
     local_addr: str = ""
     """This node's address as the others reach it (torchrun's --local-addr); empty: the interface's."""
     device: str = "auto"

@@ -11,8 +11,16 @@ from gradmesh.paths import check_name
 
 MODELS = ("gpt-char", "mlp-digits", "recsys")
 MODULES, WIDTH = 1024, 2**20
-LIMITS = {"n_layer": MODULES, "tables": MODULES, "n_embd": WIDTH, "n_head": WIDTH, "hidden": WIDTH, "dim": 2**16,
-          "block_size": 2**24, "rows": 2**40}
+LIMITS = {
+    "n_layer": MODULES,
+    "tables": MODULES,
+    "n_embd": WIDTH,
+    "n_head": WIDTH,
+    "hidden": WIDTH,
+    "dim": 2**16,
+    "block_size": 2**24,
+    "rows": 2**40,
+}
 """Upper bounds of the model's size knobs. Blocks and tables are Python modules, built (on the meta
 device) before launch to check the model fits: 10^5 blocks take minutes there (GPT-3 has 96
 blocks, Criteo's click log 26 tables). Widths and lengths stay far below where their products
@@ -60,18 +68,19 @@ class ModelConfig:
             _positive("model", name, getattr(self, name))
         for name, limit in LIMITS.items():
             if getattr(self, name) > limit:
-                raise UsageError(f"model.{name} must be at most {limit:,} (a model built before launch to check that "
-                                 f"it fits), got {getattr(self, name):,}")
+                raise UsageError(
+                    f"model.{name} must be at most {limit:,} (a model built before launch to check that "
+                    f"it fits), got {getattr(self, name):,}"
+                )
         if self.zipf <= 0:
             raise UsageError(f"model.zipf must be > 0 (a Zipf exponent; 1.1 is the default), got {self.zipf}")
         if self.rows < self.tables:
-            raise UsageError(f"model.rows={self.rows} gives the {self.tables} tables no row each; "
-                             f"use model.rows >= model.tables")
+            raise UsageError(
+                f"model.rows={self.rows} gives the {self.tables} tables no row each; use model.rows >= model.tables"
+            )
         _checks.fraction("model", "dropout", self.dropout)
         if self.n_embd % self.n_head:
-            raise UsageError(
-                f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}"
-            )
+            raise UsageError(f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}")
 
 
 @dataclass(kw_only=True)
@@ -91,7 +100,9 @@ class DataConfig:
             check_name(self.path, "data.path")
         _positive("data", "max_chars", self.max_chars)
         if self.max_chars > MAX_CHARS:
-            raise UsageError(f"data.max_chars must be at most {MAX_CHARS:,} (every rank holds the corpus in memory), "
-                             f"got {self.max_chars:,}")
+            raise UsageError(
+                f"data.max_chars must be at most {MAX_CHARS:,} (every rank holds the corpus in memory), "
+                f"got {self.max_chars:,}"
+            )
         if not 0.0 < self.eval_fraction < 0.5:
             raise UsageError(f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")

@@ -2,7 +2,7 @@
 
 from gradmesh.data.sampler import GlobalBatch, GlobalOrderSampler, split_evenly
 
-__all__ = ["GlobalBatch", "GlobalOrderSampler", "split_evenly", "fetch"]
+__all__ = ["GlobalBatch", "GlobalOrderSampler", "fetch", "split_evenly"]
 
 
 def fetch(dataset, indices: list[int]):

@@ -98,6 +98,10 @@ def generate(spec: ClickSpec) -> tuple[ClickLog, ClickLog]:
     truth = torch.sigmoid(logit + interaction)
     clicks = torch.bernoulli(truth, generator=generator)
     cut = n - max(1, int(n * spec.eval_fraction))
-    split = lambda part: ClickLog(dense[part].contiguous(), ids[part].contiguous(), clicks[part].contiguous(),
-                                  truth[part].contiguous())
+
+    def split(part):
+        return ClickLog(
+            dense[part].contiguous(), ids[part].contiguous(), clicks[part].contiguous(), truth[part].contiguous()
+        )
+
     return split(slice(0, cut)), split(slice(cut, n))

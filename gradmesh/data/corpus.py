@@ -32,7 +32,9 @@ def _text_files(path: Path) -> Iterator[Path]:
         found = True
         yield file
     if not found:
-        raise UsageError(f"data.path {str(path)!r} is a folder with no files; give a UTF-8 text file or a folder of them")
+        raise UsageError(
+            f"data.path {str(path)!r} is a folder with no files; give a UTF-8 text file or a folder of them"
+        )
 
 
 def _walk(folder: Path) -> Iterator[Path]:

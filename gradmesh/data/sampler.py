@@ -33,11 +33,11 @@ def split_by(items: list[int], proportions: tuple[float, ...]) -> list[list[int]
     exact = [len(items) * p / total for p in proportions]
     sizes = [int(x) for x in exact]
     by_remainder = sorted(range(len(exact)), key=lambda i: (sizes[i] - exact[i], i))
-    for i in by_remainder[:len(items) - sum(sizes)]:
+    for i in by_remainder[: len(items) - sum(sizes)]:
         sizes[i] += 1
     out, start = [], 0
     for size in sizes:
-        out.append(items[start:start + size])
+        out.append(items[start : start + size])
         start += size
     return out
 
@@ -103,8 +103,12 @@ class GlobalOrderSampler:
         if self._order is None:
             self._order = self.epoch_order(self.epoch)
         start = self.batch_in_epoch * self.global_batch_size
-        batch = GlobalBatch(step=self.step, epoch=self.epoch, indices=self._order[start : start + self.global_batch_size],
-                            proportions=self.proportions)
+        batch = GlobalBatch(
+            step=self.step,
+            epoch=self.epoch,
+            indices=self._order[start : start + self.global_batch_size],
+            proportions=self.proportions,
+        )
         self.step += 1
         self.batch_in_epoch += 1
         if self.batch_in_epoch == self.batches_per_epoch:
@@ -132,9 +136,7 @@ class GlobalOrderSampler:
     def load_state_dict(self, state: dict) -> None:
         for key in ("dataset_len", "global_batch_size", "seed"):
             if state[key] != getattr(self, key):
-                raise ValueError(
-                    f"sampler state has {key}={state[key]} but this run has {getattr(self, key)}"
-                )
+                raise ValueError(f"sampler state has {key}={state[key]} but this run has {getattr(self, key)}")
         self.epoch = state["epoch"]
         self.batch_in_epoch = state["batch_in_epoch"]
         self.step = state["step"]

@@ -17,133 +17,21 @@ micro-batches, or a short last batch of an epoch.
 """
 
 import dataclasses
-import math
-import resource
-from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from gradmesh.comm import hooks
-from gradmesh.config import TrainConfig
 from gradmesh.data import GlobalBatch
 from gradmesh.engine import nonfinite
 from gradmesh.engine.nonfinite import Finding
-from gradmesh.monitor.breakdown import NullClock
+from gradmesh.engine.records import Job, StepOutcome, StepProbe, lr_factor, peak_memory_bytes, to_device  # noqa: F401
 from gradmesh.parallel.compose import apply_plan, gradient_sync
 from gradmesh.parallel.options import DEFAULT_BUCKET_MB, ApplyOptions
 from gradmesh.parallel.registry import Plan, load
 from gradmesh.parallel.state import model_state_bytes
 from gradmesh.topology import Topology
-
-
-def _nothing(*args) -> None:
-    return None
-
-
-def _unmeasured(samples: int):
-    return nullcontext()
-
-
-def _unchanged(losses, step=None):
-    return losses
-
-
-@dataclass
-class StepProbe:
-    """What a step reports to while it runs: the phase clock, the watchdog's heartbeat
-    (phase 1 after forward, 2 after backward, 3 after the optimizer) and injected delays."""
-
-    clock: object = field(default_factory=NullClock)
-    beat: Callable[..., None] = _nothing
-    in_forward: Callable[[], None] = _nothing
-    """Called inside the first micro-batch's forward phase (an injected straggler sleeps here)."""
-    straggle: Callable[[float], None] = _nothing
-    """Called before a piece of work like one that took this many seconds (an injected straggler
-    sleeps in proportion): engines whose ranks do not step together."""
-    reached: Callable[[int], None] = _nothing
-    """Called as work on a step starts (an injected kill or hang at that step fires here):
-    engines whose ranks do not step together, inside a segment rather than before it."""
-    around_forward: Callable[[int], object] = _unmeasured
-    """The context a micro-batch's forward pass of N samples runs in (0 after the first
-    micro-batch): --balance's memory guard measures the activations saved for backward there."""
-    spoil: Callable = _unchanged
-    """Applied to the first micro-batch's per-sample losses (--inject nan makes them NaN there)."""
-
-
-@dataclass
-class StepOutcome:
-    """One step as this rank saw it, for the services."""
-
-    batch: GlobalBatch
-    lr: float
-    indices: list[int]
-    """The samples this rank consumed."""
-    figures: torch.Tensor
-    """loss sum, samples counted, model-state bytes, peak memory (float64): the reporter's BASE."""
-    row: dict = field(default_factory=dict)
-    """More columns for the step's metrics row (rank 0's are written), e.g. staleness."""
-    detail: dict = field(default_factory=dict)
-    """More about what this rank did, for its per-rank records (--record-samples)."""
-    nonfinite: Finding | None = None
-    """Set when the step's loss or gradients were not finite: its update was not applied."""
-
-    @property
-    def step(self) -> int:
-        """The optimizer step this was, counted from 1."""
-        return self.batch.step + 1
-
-
-@dataclass
-class Job:
-    """What every engine is built from besides the plan and the model."""
-
-    loss_fn: Callable
-    dataset: object
-    train: TrainConfig
-    optimizer_class: type
-    optimizer_kwargs: dict
-    criterion: Callable | None = None
-    reducer: object = None
-    """gradmesh.comm.Reducer: the job's gradient-averaging chain."""
-    counter: object = None
-    """gradmesh.comm.CommCounter of the job."""
-    ps: object = None
-    """gradmesh.config.PSConfig: servers and mode under the parameter-server strategy."""
-    membership: object = None
-    """gradmesh.fault.inplace.Membership under in-place recovery, else None."""
-    step_timeout: float = 0.0
-    """--step-timeout: engines whose ranks do not step together apply it to each share of work."""
-    on_nonfinite: str = "stop"
-    """--on-nonfinite: under stop a parameter server applies nothing more once a push was not finite."""
-
-
-def lr_factor(step: int, train: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay from lr to min_lr over decay_steps (a function of step only)."""
-    if step < train.warmup_steps:
-        return (step + 1) / train.warmup_steps
-    progress = min(1.0, (step - train.warmup_steps) / max(1, train.decay_steps - train.warmup_steps))
-    floor = train.min_lr / train.lr
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def to_device(data, device: torch.device):
-    if isinstance(data, torch.Tensor):
-        return data.to(device, non_blocking=True)
-    if isinstance(data, (tuple, list)):
-        return type(data)(to_device(d, device) for d in data)
-    if isinstance(data, dict):
-        return {k: to_device(v, device) for k, v in data.items()}
-    return data
 
 
 class Engine:
@@ -153,13 +41,18 @@ class Engine:
 
     def __init__(self, topology: Topology, plan: Plan, model: nn.Module, job: Job):
         self.topology, self.plan, self.job, self.plain = topology, plan, job, model
-        self.options = ApplyOptions(reducer=job.reducer, bucket_mb=job.train.bucket_mb or DEFAULT_BUCKET_MB,
-                                    counter=job.counter, compression=job.train.compression,
-                                    pipeline=self.pipeline_options(model))
+        self.options = ApplyOptions(
+            reducer=job.reducer,
+            bucket_mb=job.train.bucket_mb or DEFAULT_BUCKET_MB,
+            counter=job.counter,
+            compression=job.train.compression,
+            pipeline=self.pipeline_options(model),
+        )
         self.model = apply_plan(model, topology, plan, self.options)
         owner = plan.state_owner
-        self.optimizer = load(owner.optimizer)(list(self.model.parameters()), topology, job.optimizer_class,
-                                               **job.optimizer_kwargs)
+        self.optimizer = load(owner.optimizer)(
+            list(self.model.parameters()), topology, job.optimizer_class, **job.optimizer_kwargs
+        )
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
 
     def pipeline_options(self, model: nn.Module):
@@ -180,8 +73,10 @@ class Engine:
             self.optimizer.step()
         probe.beat(3)
         # Measured here, where parameters, gradients and optimizer state all exist.
-        figures = torch.tensor([0.0, counted, model_state_bytes(self.model, self.optimizer),
-                                peak_memory_bytes(self.topology.device)], dtype=torch.float64)
+        figures = torch.tensor(
+            [0.0, counted, model_state_bytes(self.model, self.optimizer), peak_memory_bytes(self.topology.device)],
+            dtype=torch.float64,
+        )
         figures[0] = loss_sum.detach().to("cpu", torch.float64)
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(batch, lr, indices, figures)
@@ -205,14 +100,23 @@ class Engine:
         """The gradients are all-reduced over every rank by DDP's hook with a reducer that keeps a
         NaN (the same on every rank: it depends on the plan and options alone)."""
         state = hooks.state_of(self.model)
-        return (state is not None and state.reducer.carries_nonfinite
-                and self.topology.dp_size == self.topology.world_size)
+        return (
+            state is not None and state.reducer.carries_nonfinite and self.topology.dp_size == self.topology.world_size
+        )
 
-    def _unapplied(self, batch: GlobalBatch, lr: float, loss_sum, counted: int, indices: list[int],
-                   found: Finding) -> StepOutcome:
+    def _unapplied(
+        self, batch: GlobalBatch, lr: float, loss_sum, counted: int, indices: list[int], found: Finding
+    ) -> StepOutcome:
         self.optimizer.zero_grad(set_to_none=True)
-        figures = torch.tensor([float(loss_sum.detach().sum()), counted, model_state_bytes(self.model, self.optimizer),
-                                peak_memory_bytes(self.topology.device)], dtype=torch.float64)
+        figures = torch.tensor(
+            [
+                float(loss_sum.detach().sum()),
+                counted,
+                model_state_bytes(self.model, self.optimizer),
+                peak_memory_bytes(self.topology.device),
+            ],
+            dtype=torch.float64,
+        )
         return StepOutcome(batch, lr, indices, figures, row={"skipped": "nonfinite"}, nonfinite=found)
 
     def forward_backward(self, batch: GlobalBatch, probe: StepProbe) -> tuple[torch.Tensor, int, list[int]]:
@@ -261,8 +165,10 @@ class Engine:
         reducer's own state per rank where it keeps one (error feedback; on load the checkpoint's
         metadata says what there is: `gradmesh.fault.checkpoint.comm_targets`)."""
         owner = self.plan.state_owner
-        payload = {"model": get_model_state_dict(self.model),
-                   "optim": load(owner.optimizer_state)(self.model, self.optimizer, for_load)}
+        payload = {
+            "model": get_model_state_dict(self.model),
+            "optim": load(owner.optimizer_state)(self.model, self.optimizer, for_load),
+        }
         comm = {} if for_load or self.job.reducer is None else self.job.reducer.state_dict()
         if comm:
             payload["comm"] = {f"rank{self.topology.rank}": comm}

@@ -52,10 +52,18 @@ class Finding:
         return " and ".join(parts) or "value"
 
     def alert(self, policy: str, action: str) -> dict:
-        return {"step": self.step, "kind": "nonfinite", "rank": (self.ranks or [0])[0], "ranks": self.ranks,
-                "loss_ranks": self.loss_ranks, "gradient_ranks": self.gradient_ranks, "gradient": self.gradient,
-                "push": self.push, "policy": policy,
-                "message": f"NaN or infinite {self.what()}; {action}"}
+        return {
+            "step": self.step,
+            "kind": "nonfinite",
+            "rank": (self.ranks or [0])[0],
+            "ranks": self.ranks,
+            "loss_ranks": self.loss_ranks,
+            "gradient_ranks": self.gradient_ranks,
+            "gradient": self.gradient,
+            "push": self.push,
+            "policy": policy,
+            "message": f"NaN or infinite {self.what()}; {action}",
+        }
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -85,7 +93,9 @@ def locally_finite(model: torch.nn.Module, loss_sum: torch.Tensor) -> bool:
     return not loss_bad and not grad_bad
 
 
-def check(model: torch.nn.Module, loss_sum: torch.Tensor, group, rank: int, world_size: int, step: int) -> Finding | None:
+def check(
+    model: torch.nn.Module, loss_sum: torch.Tensor, group, rank: int, world_size: int, step: int
+) -> Finding | None:
     """Collective over `group` (every rank of the job): the step's non-finite values, or None."""
     loss_bad, grad_bad, names = _local_flags(model, loss_sum)
     device = loss_sum.device if loss_sum.device.type == "cuda" else torch.device("cpu")
@@ -109,7 +119,7 @@ def check(model: torch.nn.Module, loss_sum: torch.Tensor, group, rank: int, worl
 def _share_name(name: str, source: int, group, world_size: int, device) -> str:
     encoded = name.encode()[:NAME_BYTES]
     buffer = torch.zeros(NAME_BYTES, dtype=torch.uint8, device=device)
-    buffer[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
     if world_size > 1:
         dist.broadcast(buffer, group=group, group_src=source)
     return bytes(buffer.cpu().tolist()).rstrip(b"\0").decode(errors="replace")

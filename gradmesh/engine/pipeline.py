@@ -23,13 +23,21 @@ class PipelineEngine(Engine):
     def pipeline_options(self, model) -> PipelineOptions:
         job, train = self.job, self.job.train
         if job.criterion is None:
-            raise UsageError("pipeline parallelism needs Trainer(..., criterion=fn) with fn(output, target) -> "
-                             "per-sample losses: the last stage computes the loss, not the model")
+            raise UsageError(
+                "pipeline parallelism needs Trainer(..., criterion=fn) with fn(output, target) -> "
+                "per-sample losses: the last stage computes the loss, not the model"
+            )
         self.padded = padded_rows(train.global_batch_size // self.topology.dp_size, train.microbatches)
         example = to_device(fetch(job.dataset, list(range(self.padded // train.microbatches))), self.topology.device)
         slots = optimizer_slots(job.optimizer_class, job.optimizer_kwargs)
-        return PipelineOptions(job.criterion, schedule=train.pp_schedule, microbatches=train.microbatches,
-                               split=train.split_points, optimizer_slots=slots, example=example)
+        return PipelineOptions(
+            job.criterion,
+            schedule=train.pp_schedule,
+            microbatches=train.microbatches,
+            split=train.split_points,
+            optimizer_slots=slots,
+            example=example,
+        )
 
     @property
     def pipeline(self):

@@ -54,8 +54,11 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step-*")
-             if STEP_FOLDER.fullmatch(p.name) and (p / STATE_FILE).is_file() and (p / ".metadata").is_file()]
+    found = [
+        p
+        for p in root.glob("step-*")
+        if STEP_FOLDER.fullmatch(p.name) and (p / STATE_FILE).is_file() and (p / ".metadata").is_file()
+    ]
     return sorted(found, key=_step_of, reverse=True)
 
 
@@ -91,8 +94,15 @@ class Checkpointer:
     advice for async_save), and small CPU tensors work even when training runs on NCCL.
     """
 
-    def __init__(self, run_dir: str | Path, group, is_main: bool, keep: int = 0, use_async: bool = False,
-                 on_written: Callable[[int], None] = lambda step: None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        group,
+        is_main: bool,
+        keep: int = 0,
+        use_async: bool = False,
+        on_written: Callable[[int], None] = lambda step: None,
+    ):
         self.root = checkpoint_root(run_dir)
         self.keep, self.use_async = keep, use_async
         self.on_written = on_written
@@ -132,8 +142,10 @@ class Checkpointer:
         failed = torch.tensor([1 if error else 0])
         dist.all_reduce(failed, group=self.group)
         if failed.item():
-            raise CheckpointError(f"async checkpoint of step {step} failed on {int(failed.item())} rank(s)"
-                                  + (f": {_root_cause(error)}" if error else "")) from error
+            raise CheckpointError(
+                f"async checkpoint of step {step} failed on {int(failed.item())} rank(s)"
+                + (f": {_root_cause(error)}" if error else "")
+            ) from error
         self._publish(step, state)
 
     def _publish(self, step: int, state: dict) -> None:
@@ -170,8 +182,9 @@ class Checkpointer:
         try:
             tmp.mkdir()
         except FileExistsError:
-            raise CheckpointError(f"{tmp} is in the way and not listed as gradmesh's in the run's manifest; "
-                                  "move it away") from None
+            raise CheckpointError(
+                f"{tmp} is in the way and not listed as gradmesh's in the run's manifest; move it away"
+            ) from None
 
     def _remove(self, name: str) -> None:
         manifest.remove(self.run_dir, under=f"{self.root.name}/{name}")
@@ -216,24 +229,31 @@ def _root_cause(error: BaseException) -> str:
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape of the model tensors in a checkpoint (from DCP's metadata)."""
-    return {key.removeprefix("model."): tuple(meta.size)
-            for key, meta in safeload.read_metadata(path).state_dict_metadata.items()
-            if key.startswith("model.") and hasattr(meta, "size")}
+    return {
+        key.removeprefix("model."): tuple(meta.size)
+        for key, meta in safeload.read_metadata(path).state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }
 
 
 def comm_targets(path: Path, rank: int) -> dict:
     """Tensors to load rank `rank`'s reducer state into, shaped as the checkpoint holds them
     (error feedback is each rank's own; a checkpoint written without it gives none)."""
     prefix = f"comm.rank{rank}."
-    found = {key.removeprefix(prefix): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-             for key, meta in safeload.read_metadata(path).state_dict_metadata.items()
-             if key.startswith(prefix) and hasattr(meta, "size")}
+    found = {
+        key.removeprefix(prefix): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in safeload.read_metadata(path).state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(meta, "size")
+    }
     return {f"rank{rank}": found} if found else {}
 
 
 def shape_mismatches(saved: dict[str, tuple], current: dict[str, tuple]) -> list[str]:
-    problems = [f"{name} {list(saved[name])} in checkpoint vs {list(shape)} now"
-                for name, shape in current.items() if name in saved and tuple(saved[name]) != tuple(shape)]
+    problems = [
+        f"{name} {list(saved[name])} in checkpoint vs {list(shape)} now"
+        for name, shape in current.items()
+        if name in saved and tuple(saved[name]) != tuple(shape)
+    ]
     problems += [f"{name} missing from checkpoint" for name in current if name not in saved]
     problems += [f"{name} not in this model" for name in saved if name not in current]
     return problems
@@ -244,4 +264,3 @@ def describe_load_error(path: Path, exc: Exception) -> str:
     if "size mismatch" in text or "shape" in text.lower():
         return f"checkpoint {path} does not fit this model: {text.splitlines()[-1][:400]}"
     return f"checkpoint {path} could not be loaded: {text.splitlines()[-1][:400] if text else type(exc).__name__}"
-

@@ -24,19 +24,27 @@ def _to_cpu(value):
     return value
 
 
-def hand_over(group, is_main: bool, is_newcomer: bool, optimizer, sampler, position: dict,
-              pending: list[StepRecord]) -> list[StepRecord]:
+def hand_over(
+    group, is_main: bool, is_newcomer: bool, optimizer, sampler, position: dict, pending: list[StepRecord]
+) -> list[StepRecord]:
     """Collective over `group` (every member of the new group); returns the records to resend.
     `position`: the sampler state a newcomer starts from."""
     payload = [None]
     if is_main:
-        payload = [{"optimizer": _to_cpu(optimizer.state_dict()), "sampler": position,
-                    "pending": [(r.step, r.epoch, r.size, r.samples, r.lr, r.elapsed, r.finished) for r in pending]}]
+        payload = [
+            {
+                "optimizer": _to_cpu(optimizer.state_dict()),
+                "sampler": position,
+                "pending": [(r.step, r.epoch, r.size, r.samples, r.lr, r.elapsed, r.finished) for r in pending],
+            }
+        ]
     dist.broadcast_object_list(payload, src=0, group=group)
     if not is_newcomer:
         return pending
     state = payload[0]
     optimizer.load_state_dict(state["optimizer"])  # moves the state to the parameters' device
     sampler.load_state_dict(state["sampler"])
-    return [StepRecord(step, epoch, size, samples, lr, elapsed, torch.zeros(len(FIGURES), dtype=torch.float64), finished)
-            for step, epoch, size, samples, lr, elapsed, finished in state["pending"]]
+    return [
+        StepRecord(step, epoch, size, samples, lr, elapsed, torch.zeros(len(FIGURES), dtype=torch.float64), finished)
+        for step, epoch, size, samples, lr, elapsed, finished in state["pending"]
+    ]

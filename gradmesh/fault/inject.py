@@ -16,14 +16,22 @@ from pathlib import Path
 from gradmesh.files import open_append, read_jsonl
 from gradmesh.specs import Fault, check_ranks, parse_faults  # noqa: F401 (re-exported)
 
+
 class Injector:
     """This rank's faults; `before_step` and `at_checkpoint` fire them.
 
     `position()` gives (rank, world size) now — chaos faults aim at a rank, not at a worker.
     `spare_last`: in-place recovery, where the last worker standing must not be killed."""
 
-    def __init__(self, faults: list[Fault], identity: int, run_dir: Path | None, position=None,
-                 pace: float = 0.0, spare_last: bool = False):
+    def __init__(
+        self,
+        faults: list[Fault],
+        identity: int,
+        run_dir: Path | None,
+        position=None,
+        pace: float = 0.0,
+        spare_last: bool = False,
+    ):
         self.log = Path(run_dir) / "faults.jsonl" if run_dir else None
         fired = self._fired()
         self.faults = [f for f in faults if (f.chaos >= 0 or f.rank == identity) and f.label not in fired]
@@ -56,7 +64,9 @@ class Injector:
             return None
         rank, world = self.position()
         entries = self._entries()
-        if (self.spare_last and world < 2) or any(e["fault"].startswith("chaos#") and e.get("step") == step for e in entries):
+        if (self.spare_last and world < 2) or any(
+            e["fault"].startswith("chaos#") and e.get("step") == step for e in entries
+        ):
             return None
         fired = {entry["fault"] for entry in entries}
         due = [f for f in self.faults if f.chaos >= 0 and f.kind != "slow" and f.step <= step and f.label not in fired]
@@ -84,8 +94,12 @@ class Injector:
         """Work on `step` starts: a kill or hang at it fires (not exact: at it or before it, for
         a rank that skipped the step itself, as a parameter-server worker may)."""
         for fault in self.faults:
-            if (fault.kind in ("kill", "hang") and fault.chaos < 0 and fault.at == "step"
-                    and (fault.step == step if exact else fault.step <= step)):
+            if (
+                fault.kind in ("kill", "hang")
+                and fault.chaos < 0
+                and fault.at == "step"
+                and (fault.step == step if exact else fault.step <= step)
+            ):
                 self._fire(fault, step)
 
     def at_checkpoint(self, step: int) -> None:
@@ -121,8 +135,14 @@ class Injector:
         injected delay, so it does not grow step on step), plus `delay` seconds (while its window
         of steps lasts, if it has one), plus a chaos
         slow-down and the chaos pace; returns the delay."""
-        active = [f for f in self.faults if f.kind == "slow" and f.chaos < 0 and f.step <= self.step
-                  and (not f.steps or self.step < f.step + f.steps)]
+        active = [
+            f
+            for f in self.faults
+            if f.kind == "slow"
+            and f.chaos < 0
+            and f.step <= self.step
+            and (not f.steps or self.step < f.step + f.steps)
+        ]
         factor, delay = max([f.factor for f in active], default=1.0), max([f.delay for f in active], default=0.0)
         seconds = (factor - 1) * elapsed + delay + self.pace + self._chaos_delay()
         if seconds > 0:
@@ -137,8 +157,11 @@ class Injector:
     def _chaos_delay(self) -> float:
         """A chaos slow-down's delay while it lasts on the rank it aims at (logged when it starts)."""
         rank, world = self.position()
-        active = [f for f in self.faults if f.kind == "slow" and f.chaos >= 0
-                  and f.step <= self.step < f.step + f.steps and f.rank % world == rank]
+        active = [
+            f
+            for f in self.faults
+            if f.kind == "slow" and f.chaos >= 0 and f.step <= self.step < f.step + f.steps and f.rank % world == rank
+        ]
         for fault in active:
             if fault.step == self.step and fault.label not in self._fired():
                 self._record(fault, self.step)

@@ -89,7 +89,9 @@ def whole(raw: bytes | str, what: str, bound: int = BOUND) -> int:
     """A whole number read from the job's store, checked before it picks ranks or steps."""
     text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw
     if not (re.fullmatch(r"[0-9]{1,19}", text) and int(text) < bound):
-        raise BadStoreValue(f"in-place recovery's store holds {text[:40]!r} as {what}; expected a whole number below {bound}")
+        raise BadStoreValue(
+            f"in-place recovery's store holds {text[:40]!r} as {what}; expected a whole number below {bound}"
+        )
     return int(text)
 
 
@@ -172,7 +174,7 @@ class Membership:
                     return
                 try:
                     guarded.set_result(done.value())
-                except Exception as err:  # noqa: BLE001 - the collective's own failure
+                except Exception as err:
                     guarded.set_exception(err)
             return None
 
@@ -248,8 +250,11 @@ class Membership:
         newest = self.newest()
         if newest <= self.generation or not self._is_join(newest):
             return False  # a loss is handled by the failed collective, not here
-        agreed = whole(self.store.compare_set(f"gradmesh/inplace/switch/{newest}", "", str(step + 2)),
-                       "the step to admit at", bound=2**63)
+        agreed = whole(
+            self.store.compare_set(f"gradmesh/inplace/switch/{newest}", "", str(step + 2)),
+            "the step to admit at",
+            bound=2**63,
+        )
         if agreed > last_step:
             return False  # the run ends first: the newcomer is told so when it does
         return agreed == step

@@ -30,8 +30,9 @@ def _crc32(path: Path) -> int:
 
 
 def file_digests(folder: Path) -> dict[str, list[int]]:
-    return {p.name: [p.stat().st_size, _crc32(p)] for p in sorted(folder.iterdir())
-            if p.is_file() and p.name != STATE_FILE}
+    return {
+        p.name: [p.stat().st_size, _crc32(p)] for p in sorted(folder.iterdir()) if p.is_file() and p.name != STATE_FILE
+    }
 
 
 def state_checksum(state: dict) -> int:

@@ -95,8 +95,15 @@ class InplaceRecovery(Service):
             # The sampler as it was before the batch being redone: the newcomer draws that batch
             # next and so works on the same step as the members, not the one after.
             position = self.sampler.state_before(in_flight) if in_flight is not None else self.sampler.state_dict()
-            pending = hand_over(topo.side_group("metrics"), topo.is_main, self.ctx.identity in membership.newcomers,
-                                self.ctx.engine.optimizer, self.sampler, position, pending)
+            pending = hand_over(
+                topo.side_group("metrics"),
+                topo.is_main,
+                self.ctx.identity in membership.newcomers,
+                self.ctx.engine.optimizer,
+                self.sampler,
+                position,
+                pending,
+            )
         step = in_flight.step if in_flight is not None else self.sampler.step  # the step each member is at
         where = torch.tensor([step, -step], dtype=torch.int64)
         dist.all_reduce(where, op=dist.ReduceOp.MIN, group=topo.group("world"))
@@ -104,9 +111,11 @@ class InplaceRecovery(Service):
             raise RuntimeError("in-place recovery: the members stopped at different steps; use --recovery restart")
         self.reporting.reporter.resend(pending)
         joined = f"; rank(s) {', '.join(map(str, membership.newcomers))} joined" if membership.newcomers else ""
-        self.reporting.note(f"gradmesh: in-place recovery: {topo.world_size} rank(s) go on from step "
-                            f"{self.sampler.step + 1} (generation {membership.generation}{joined}; "
-                            f"rank {self.ctx.identity} is now rank {topo.rank})")
+        self.reporting.note(
+            f"gradmesh: in-place recovery: {topo.world_size} rank(s) go on from step "
+            f"{self.sampler.step + 1} (generation {membership.generation}{joined}; "
+            f"rank {self.ctx.identity} is now rank {topo.rank})"
+        )
 
     def finish(self) -> None:
         self.membership.finish()

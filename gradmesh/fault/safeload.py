@@ -23,8 +23,15 @@ from gradmesh.errors import UsageError
 
 ADMITTED = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},  # how torch pickles a layout (torch.strided)
     "torch": {"Size"} | {name for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
@@ -44,8 +51,10 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if name in ADMITTED.get(module, ()):
             return super().find_class(module, name)
-        raise UnsafeCheckpoint(f"checkpoint metadata {self.path} names {module}.{name}, which gradmesh does not "
-                               "load (it admits only torch.distributed.checkpoint's metadata classes)")
+        raise UnsafeCheckpoint(
+            f"checkpoint metadata {self.path} names {module}.{name}, which gradmesh does not "
+            "load (it admits only torch.distributed.checkpoint's metadata classes)"
+        )
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -69,8 +78,10 @@ def _check_confined(metadata: Metadata, path) -> None:
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
-            raise UnsafeCheckpoint(f"checkpoint metadata {path} names shard file {name!r}, outside the checkpoint's "
-                                   "folder (gradmesh reads only plain file names there)")
+            raise UnsafeCheckpoint(
+                f"checkpoint metadata {path} names shard file {name!r}, outside the checkpoint's "
+                "folder (gradmesh reads only plain file names there)"
+            )
 
 
 class SafePlanner(DefaultLoadPlanner):
@@ -81,8 +92,9 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpoint(f"checkpoint entry {read_item.dest_index.fqn} is not plain data: "
-                                   f"{str(exc).splitlines()[0]}") from None
+            raise UnsafeCheckpoint(
+                f"checkpoint entry {read_item.dest_index.fqn} is not plain data: {str(exc).splitlines()[0]}"
+            ) from None
         value.seek(0)
         super().load_bytes(read_item, value)
 

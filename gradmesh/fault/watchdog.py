@@ -21,8 +21,6 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
-
 from gradmesh import env, manifest
 from gradmesh.config.fault import AUTO_STEP_TIMEOUT, AUTO_TIMEOUT_CAP, auto_timeout
 from gradmesh.fault import inplace
@@ -158,17 +156,30 @@ class Watchdog:
             progress = self._others() if self.watch_store else {self.rank: self.progress}
             ahead = max(progress.values())
             behind = sorted(r for r in self.ranks if progress.get(r, -1) < ahead)
-            named = ", ".join(f"rank {r} (at {describe(progress[r]) if r in progress else 'no step yet'})"
-                              for r in behind) or "none: every rank is stuck at the same point"
+            named = (
+                ", ".join(f"rank {r} (at {describe(progress[r]) if r in progress else 'no step yet'})" for r in behind)
+                or "none: every rank is stuck at the same point"
+            )
             setting = "--step-timeout auto: 20x the slowest step, at least 300 s" if self.auto else "--step-timeout"
-            line = (f"gradmesh: hang detected by rank {self.rank}: no progress for {self.timeout:g} s "
-                    f"({setting}) at {describe(self.progress)}; did not arrive: {named}; "
-                    f"Python stacks of every rank in {self.run_dir}/stacks-rank*.txt")
+            line = (
+                f"gradmesh: hang detected by rank {self.rank}: no progress for {self.timeout:g} s "
+                f"({setting}) at {describe(self.progress)}; did not arrive: {named}; "
+                f"Python stacks of every rank in {self.run_dir}/stacks-rank*.txt"
+            )
             print(line, file=sys.stderr, flush=True)
             if self.run_dir:
                 with open_append(self.run_dir / "faults.jsonl") as f:
-                    f.write(json.dumps({"event": "hang", "detected_by": self.rank, "did_not_arrive": behind,
-                                        "progress": {str(r): describe(p) for r, p in progress.items()},
-                                        "time": time.time()}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "event": "hang",
+                                "detected_by": self.rank,
+                                "did_not_arrive": behind,
+                                "progress": {str(r): describe(p) for r, p in progress.items()},
+                                "time": time.time(),
+                            }
+                        )
+                        + "\n"
+                    )
         time.sleep(2.0)  # let the other ranks see the alarm and write their stacks
         os._exit(EXIT_HANG)

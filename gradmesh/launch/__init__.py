@@ -18,8 +18,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from gradmesh import env, lifeline, stores
 from gradmesh.config import LaunchConfig
-from gradmesh.fault.watchdog import EXIT_HANG
 from gradmesh.errors import EXIT_NONFINITE
+from gradmesh.fault.watchdog import EXIT_HANG
 from gradmesh.launch import network
 from gradmesh.topology import threads_per_worker
 
@@ -28,23 +28,37 @@ def single_machine(launch: LaunchConfig) -> bool:
     return launch.nnodes == 1 and not launch.rdzv_endpoint
 
 
+def _flags(**options) -> list[str]:
+    """torchrun's options as its command line: --name value, in the order given."""
+    return [part for name, value in options.items() for part in (f"--{name.replace('_', '-')}", str(value))]
+
+
 def torchrun_args(launch: LaunchConfig, nproc: int, max_restarts: int = 0) -> list[str]:
-    args = ["--nproc-per-node", str(nproc), "--nnodes", str(launch.nnodes),
-            "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
-            "--shutdown-timeout", str(lifeline.GRACE_S)]
+    args = _flags(
+        nproc_per_node=nproc,
+        nnodes=launch.nnodes,
+        max_restarts=max_restarts,
+        monitor_interval="0.1",
+        shutdown_timeout=lifeline.GRACE_S,
+    )
     if single_machine(launch):
         # torchrun's --standalone, with the workers' store address on loopback too (--local-addr):
         # run_workers makes every store server listen there only.
-        return args + ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{stores.LOOPBACK}:0",
-                       "--rdzv-id", uuid.uuid4().hex, "--local-addr", stores.LOOPBACK]
+        return args + _flags(
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"{stores.LOOPBACK}:0",
+            rdzv_id=uuid.uuid4().hex,
+            local_addr=stores.LOOPBACK,
+        )
     backend = launch.rdzv_backend or ("static" if launch.node_rank >= 0 else "c10d")
     node = network.node_settings(launch.rdzv_endpoint, launch.iface, launch.local_addr, launch.rdzv_conf, backend)
-    args += ["--rdzv-backend", backend, "--rdzv-endpoint", launch.rdzv_endpoint,
-             "--rdzv-id", launch.rdzv_id, "--local-addr", node["local_addr"]]
+    args += _flags(
+        rdzv_backend=backend, rdzv_endpoint=launch.rdzv_endpoint, rdzv_id=launch.rdzv_id, local_addr=node["local_addr"]
+    )
     if node["rdzv_conf"]:
-        args += ["--rdzv-conf", node["rdzv_conf"]]
+        args += _flags(rdzv_conf=node["rdzv_conf"])
     if launch.node_rank >= 0:
-        args += ["--node-rank", str(launch.node_rank)]
+        args += _flags(node_rank=launch.node_rank)
     return args
 
 
@@ -78,12 +92,8 @@ def _quiet_agent_warnings() -> None:
             logger.setLevel(logging.CRITICAL if name.endswith("multiprocessing.api") else logging.ERROR)
 
 
-def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restarts: int = 0,
-                inplace: float = 0.0, critical: frozenset[int] = frozenset()) -> int:
-    """Run `target` (['-m', module, ...] or [script, ...]) on nproc local workers; exit code.
-
-    `inplace` > 0: in-place recovery's launcher, collectives waiting at most that many seconds;
-    `critical` ranks' loss restarts every rank (max_restarts times) instead of being replaced."""
+def _prepare_environment(launch: LaunchConfig, nproc: int) -> None:
+    """The workers' environment: threads, the launcher's mark, and the network interface."""
     # torchrun's own default is one thread per worker; dividing the cores is faster when
     # fewer workers than cores run here. A user's OMP_NUM_THREADS wins.
     env.set_omp_threads(threads_per_worker(nproc))
@@ -95,6 +105,21 @@ def run_workers(launch: LaunchConfig, nproc: int, target: list[str], max_restart
         if iface:
             env.keep_on_interface(iface, override=bool(launch.iface))
         env.fresh_store_each_round()
+
+
+def run_workers(
+    launch: LaunchConfig,
+    nproc: int,
+    target: list[str],
+    max_restarts: int = 0,
+    inplace: float = 0.0,
+    critical: frozenset[int] = frozenset(),
+) -> int:
+    """Run `target` (['-m', module, ...] or [script, ...]) on nproc local workers; exit code.
+
+    `inplace` > 0: in-place recovery's launcher, collectives waiting at most that many seconds;
+    `critical` ranks' loss restarts every rank (max_restarts times) instead of being replaced."""
+    _prepare_environment(launch, nproc)
     if inplace:
         from gradmesh.launch.inplace import run_inplace
 

@@ -28,18 +28,33 @@ def _describe(identity: int, code: int) -> str:
 
 
 class _Launcher:
-    def __init__(self, nproc: int, target: list[str], collective_timeout: float, replacements: int,
-                 critical: frozenset[int] = frozenset(), restart: int = 0):
+    def __init__(
+        self,
+        nproc: int,
+        target: list[str],
+        collective_timeout: float,
+        replacements: int,
+        critical: frozenset[int] = frozenset(),
+        restart: int = 0,
+    ):
         self.store = stores.loopback_store()
         self.members = list(range(nproc))
         publish_members(self.store, self.members)
         self.target, self.replacements, self.critical = target, replacements, critical
         self.fatal: str | None = None
         """Why the survivors cannot go on (a critical rank or every non-critical one was lost)."""
-        self.env = dict(env.environment(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
-                        WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
-                        TORCHELASTIC_USE_AGENT_STORE="True", GRADMESH_INPLACE="1",
-                        TORCHELASTIC_RESTART_COUNT=str(restart), GRADMESH_COLLECTIVE_TIMEOUT=str(collective_timeout))
+        self.env = dict(
+            env.environment(),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(self.store.port),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK="0",
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            GRADMESH_INPLACE="1",
+            TORCHELASTIC_RESTART_COUNT=str(restart),
+            GRADMESH_COLLECTIVE_TIMEOUT=str(collective_timeout),
+        )
         self.workers: dict[int, subprocess.Popen] = {}
         self.local_rank: dict[int, int] = {}
         self.waiting: list[int] = []  # replacements started, not yet admitted
@@ -92,8 +107,11 @@ class _Launcher:
         self.evictions, hung = evictions_requested(self.store, self.evictions, sorted(alive - self.evicted))
         for identity in hung:
             self.evicted.add(identity)
-            print(f"gradmesh: worker rank {identity} made no progress for --step-timeout: stopping it",
-                  file=sys.stderr, flush=True)
+            print(
+                f"gradmesh: worker rank {identity} made no progress for --step-timeout: stopping it",
+                file=sys.stderr,
+                flush=True,
+            )
             self.workers[identity].kill()
 
     def run(self) -> int:
@@ -140,8 +158,14 @@ class _Launcher:
         return len(running)
 
 
-def run_inplace(nproc: int, target: list[str], collective_timeout: float, replacements: int = 0,
-                critical: frozenset[int] = frozenset(), restarts: int = 0) -> int:
+def run_inplace(
+    nproc: int,
+    target: list[str],
+    collective_timeout: float,
+    replacements: int = 0,
+    critical: frozenset[int] = frozenset(),
+    restarts: int = 0,
+) -> int:
     """Run `target` on nproc local workers; a failed worker is dropped (and replaced), not fatal.
 
     The loss of a `critical` rank (or of every other one) stops every worker and starts them
@@ -155,12 +179,20 @@ def run_inplace(nproc: int, target: list[str], collective_timeout: float, replac
                 if launcher.fatal is None:
                     return code
                 if restart == restarts:
-                    print(f"gradmesh: {launcher.fatal}; the others cannot go on without it and no restart is left "
-                          f"(--max-restarts {restarts})", file=sys.stderr, flush=True)
+                    print(
+                        f"gradmesh: {launcher.fatal}; the others cannot go on without it and no restart is left "
+                        f"(--max-restarts {restarts})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return 1
                 restart += 1
-                print(f"gradmesh: {launcher.fatal}; the others cannot go on without it: every rank restarts from "
-                      f"the last checkpoint (restart {restart} of {restarts})", file=sys.stderr, flush=True)
+                print(
+                    f"gradmesh: {launcher.fatal}; the others cannot go on without it: every rank restarts from "
+                    f"the last checkpoint (restart {restart} of {restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         except lifeline.Stopped as stop:
             lifeline.ignore_stop_signals()  # a second Ctrl-C must not abandon the workers half-stopped
             stopped = launcher.stop(stop.signum)

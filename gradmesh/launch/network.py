@@ -34,8 +34,10 @@ def endpoint_address(endpoint: str) -> tuple[str, int]:
     try:
         return socket.gethostbyname(host), int(port)
     except (OSError, ValueError):
-        raise UsageError(f"--rdzv-endpoint {endpoint!r}: {host!r} does not resolve to an address; give HOST:PORT "
-                         "with a host name or IPv4 address every node can reach") from None
+        raise UsageError(
+            f"--rdzv-endpoint {endpoint!r}: {host!r} does not resolve to an address; give HOST:PORT "
+            "with a host name or IPv4 address every node can reach"
+        ) from None
 
 
 def route_source(address: str, port: int) -> str:
@@ -80,8 +82,10 @@ def check_node(endpoint: str, iface: str) -> None:
     endpoint_address(endpoint)
     held = interface_addresses()
     if iface and iface not in held:
-        raise UsageError(f"--iface {iface!r} is not an interface with an IPv4 address here; "
-                         f"accepted: {', '.join(sorted(held)) or 'none found'}")
+        raise UsageError(
+            f"--iface {iface!r} is not an interface with an IPv4 address here; "
+            f"accepted: {', '.join(sorted(held)) or 'none found'}"
+        )
 
 
 def node_settings(endpoint: str, iface: str, local_addr: str, rdzv_conf: str, backend: str) -> dict:

@@ -34,8 +34,9 @@ HYSTERESIS = 0.02
 class Balancing(Service):
     lockstep = True
 
-    def __init__(self, ctx: RunContext, reporting, sampler, balance: str, grad_accum: int = 1,
-                 free_memory=lambda: None):
+    def __init__(
+        self, ctx: RunContext, reporting, sampler, balance: str, grad_accum: int = 1, free_memory=lambda: None
+    ):
         """free_memory: bytes this rank is told it has free (an injected fault), or None."""
         self.ctx, self.reporting, self.sampler = ctx, reporting, sampler
         self.how, self.static = parse_balance(balance)
@@ -49,8 +50,9 @@ class Balancing(Service):
             self.sampler.proportions = self.static
 
     def regrouped(self) -> None:
-        self.sampler.proportions = self.static if self.how == "static" and len(self.static) == self.ctx.topology.dp_size \
-            else None  # another number of ranks: equal until measured again
+        self.sampler.proportions = (
+            self.static if self.how == "static" and len(self.static) == self.ctx.topology.dp_size else None
+        )  # another number of ranks: equal until measured again
         self.busy = self.samples = 0.0
         self.meter.due, self.bound = True, set()
 
@@ -94,29 +96,58 @@ class Balancing(Service):
         partners sharing a data-parallel index)."""
         topology = self.ctx.topology
         free = self.free_memory() or available_bytes(topology.device, topology.local_world_size) or 0
-        mine = torch.tensor([float(topology.dp_rank), self.busy / max(self.samples, 1), self.meter.per_sample or 0.0,
-                             float(free)], dtype=torch.float64)
+        mine = torch.tensor(
+            [float(topology.dp_rank), self.busy / max(self.samples, 1), self.meter.per_sample or 0.0, float(free)],
+            dtype=torch.float64,
+        )
         everyone = [torch.zeros_like(mine) for _ in range(topology.world_size)]
         dist.all_gather(everyone, mine, group=topology.group("world"))
-        times, per_sample, budget = [0.0] * topology.dp_size, [0.0] * topology.dp_size, [float("inf")] * topology.dp_size
+        times, per_sample, budget = (
+            [0.0] * topology.dp_size,
+            [0.0] * topology.dp_size,
+            [float("inf")] * topology.dp_size,
+        )
         for dp_rank, seconds, nbytes, room in (t.tolist() for t in everyone):
             r = int(dp_rank)
-            times[r], per_sample[r], budget[r] = max(times[r], seconds), max(per_sample[r], nbytes), min(budget[r], room)
+            times[r], per_sample[r], budget[r] = (
+                max(times[r], seconds),
+                max(per_sample[r], nbytes),
+                min(budget[r], room),
+            )
         return times, per_sample, budget
 
     def _tell(self, step: int, shares: tuple[float, ...], times: list[float]) -> None:
         slowest = max(range(len(times)), key=lambda r: times[r])
-        why = (f"data-parallel rank {slowest} the slowest: {times[slowest] * 1e3:.1f} ms of work per step against "
-               f"{min(times) * 1e3:.1f}") if self.how == "auto" else "the static shares within the ranks' memory"
+        why = (
+            (
+                f"data-parallel rank {slowest} the slowest: {times[slowest] * 1e3:.1f} ms of work per step against "
+                f"{min(times) * 1e3:.1f}"
+            )
+            if self.how == "auto"
+            else "the static shares within the ranks' memory"
+        )
         rank = slowest if self.how == "auto" else min(self.bound, default=0)
         text = f"balance: from step {step + 1} the shares are {', '.join(f'{s:.0%}' for s in shares)} ({why})"
-        self.reporting.monitor.alert({"step": step, "kind": "balance", "rank": rank, "shares": [round(s, 4) for s in shares],
-                                      "message": text})
+        self.reporting.monitor.alert(
+            {"step": step, "kind": "balance", "rank": rank, "shares": [round(s, 4) for s in shares], "message": text}
+        )
 
     def _tell_cap(self, step: int, rank: int, cap: int, per_sample: float, free: float) -> None:
         batch = self.sampler.global_batch_size
-        text = (f"balance: data-parallel rank {rank}'s share is capped at {min(cap, batch)} of {batch} samples by its memory "
-                f"({per_sample / 2**10:.1f} KiB of activations per sample, {free / 2**20:.1f} MiB free, "
-                f"grad-accum {self.grad_accum})")
-        self.reporting.monitor.alert({"step": step, "kind": "memory", "rank": rank, "cap": cap, "per_sample_bytes": per_sample,
-                                      "free_bytes": free, "message": text})
+        text = (
+            f"balance: data-parallel rank {rank}'s share is capped at {min(cap, batch)} of {batch} samples "
+            "by its memory "
+            f"({per_sample / 2**10:.1f} KiB of activations per sample, {free / 2**20:.1f} MiB free, "
+            f"grad-accum {self.grad_accum})"
+        )
+        self.reporting.monitor.alert(
+            {
+                "step": step,
+                "kind": "memory",
+                "rank": rank,
+                "cap": cap,
+                "per_sample_bytes": per_sample,
+                "free_bytes": free,
+                "message": text,
+            }
+        )

@@ -68,10 +68,14 @@ class BucketTuning(Service):
         self.ctx.engine.rebucket(best)
         self.sizes = []
         if self.ctx.is_main:
-            record = {"candidates_mb": list(means), "step_s": {str(mb): t for mb, t in self.timings.items()},
-                      "mean_step_s": {str(mb): t for mb, t in means.items()}, "chosen_mb": best, "from_step": step + 1}
+            record = {
+                "candidates_mb": list(means),
+                "step_s": {str(mb): t for mb, t in self.timings.items()},
+                "mean_step_s": {str(mb): t for mb, t in means.items()},
+                "chosen_mb": best,
+                "from_step": step + 1,
+            }
             if self.ctx.run_dir:
                 atomic_write(self.ctx.run_dir / "buckets.json", json.dumps(record, indent=1))
             timed = ", ".join(f"{mb:g} MiB {t * 1e3:.1f} ms" for mb, t in means.items())
             self.reporting.note(f"--bucket-mb auto: {best:g} MiB from step {step + 1} ({timed})")
-

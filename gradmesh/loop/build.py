@@ -3,12 +3,12 @@
 import dataclasses
 from dataclasses import dataclass, field
 
+from gradmesh.chaos import parse_chaos
+from gradmesh.chaos import plan as plan_chaos
 from gradmesh.comm import CommCounter
 from gradmesh.comm.auto import AutoCompression
 from gradmesh.config import FaultConfig, MonitorConfig
 from gradmesh.engine import StepProbe
-from gradmesh.chaos import parse_chaos
-from gradmesh.chaos import plan as plan_chaos
 from gradmesh.fault.inject import Injector, parse_faults
 from gradmesh.loop.checkpointing import Checkpointing
 from gradmesh.loop.nonfinite import NonFinitePolicy
@@ -35,8 +35,9 @@ def monitor(session, config: MonitorConfig | None, run_dir, plan) -> tuple[Monit
     config = config or MonitorConfig()
     if not plan.step_breakdown:  # its ranks do not step together: no per-step phases to compare
         config = dataclasses.replace(config, enabled=False)
-    mon = Monitor(config, run_dir, session.identity, session.topology.is_main,
-                  same_work=plan.same_work, counter=counter)
+    mon = Monitor(
+        config, run_dir, session.identity, session.topology.is_main, same_work=plan.same_work, counter=counter
+    )
     return mon, counter
 
 
@@ -48,8 +49,26 @@ def _injector(trainer, faults: FaultConfig) -> Injector:
         planned += plan_chaos(chaos, trainer.train.max_steps, trainer.checkpointing.every)
         pace = chaos.pace
     ctx = trainer.ctx  # its topology is renumbered in place by in-place recovery: read it when asked
-    return Injector(planned, trainer.session.identity, trainer.run_dir, pace=pace, spare_last=faults.recovery == "inplace",
-                    position=lambda: (ctx.topology.rank, ctx.topology.world_size))
+    return Injector(
+        planned,
+        trainer.session.identity,
+        trainer.run_dir,
+        pace=pace,
+        spare_last=faults.recovery == "inplace",
+        position=lambda: (ctx.topology.rank, ctx.topology.world_size),
+    )
+
+
+def _checks(trainer, reporting: Reporting, checkpointing: Checkpointing) -> list:
+    """The services that look at the model after a step: evaluation, checkpoints, replica checks."""
+    ctx, train = trainer.ctx, trainer.train
+    checks = []
+    if train.eval_every:
+        checks.append(Evaluation(ctx, reporting, trainer.eval_fn, train.eval_every, train.max_steps))
+    checks.append(checkpointing)
+    if trainer.monitor.clock is not None:
+        checks.append(ReplicaCheck(ctx, reporting, trainer.monitor.config.check_every))
+    return checks
 
 
 def services(trainer, faults: FaultConfig) -> Services:
@@ -57,9 +76,18 @@ def services(trainer, faults: FaultConfig) -> Services:
     ctx, train, session = trainer.ctx, trainer.train, trainer.session
     injector = _injector(trainer, faults)
     reporting = Reporting(ctx, trainer.monitor, train.log_every, train.max_steps, session.membership)
-    checkpointing = Checkpointing(ctx, trainer.checkpointing, trainer.sampler, reporting, trainer.run_info,
-                                  on_written=injector.at_checkpoint, in_place=session.membership is not None)
-    policy = faults.on_nonfinite if ctx.run_dir or faults.on_nonfinite != "rollback" else "stop"  # nothing to go back to
+    checkpointing = Checkpointing(
+        ctx,
+        trainer.checkpointing,
+        trainer.sampler,
+        reporting,
+        trainer.run_info,
+        on_written=injector.at_checkpoint,
+        in_place=session.membership is not None,
+    )
+    policy = (
+        faults.on_nonfinite if ctx.run_dir or faults.on_nonfinite != "rollback" else "stop"
+    )  # nothing to go back to
     nonfinite = NonFinitePolicy(ctx, reporting, policy, faults.max_skips, faults.max_restarts, train)
     checkpointing.policy = nonfinite
     found = Services(reporting, checkpointing, nonfinite, faults=FaultInjection(ctx, injector))
@@ -73,15 +101,11 @@ def services(trainer, faults: FaultConfig) -> Services:
         from gradmesh.fault.recovery import InplaceRecovery
 
         found.recovery = InplaceRecovery(ctx, session.membership, trainer.sampler, reporting, train.max_steps)
-    checks = []
-    if train.eval_every:
-        checks.append(Evaluation(ctx, reporting, trainer.eval_fn, train.eval_every, train.max_steps))
-    checks.append(checkpointing)
-    if trainer.monitor.clock is not None:
-        checks.append(ReplicaCheck(ctx, reporting, trainer.monitor.config.check_every))
     recorder = [SampleRecorder(ctx)] if train.record_samples else []
-    checks = _tuning(trainer, reporting, injector) + checks
-    found.all = [s for s in (found.watchdog, found.faults, reporting, nonfinite, found.recovery) if s] + recorder + checks
+    checks = _tuning(trainer, reporting, injector) + _checks(trainer, reporting, checkpointing)
+    found.all = (
+        [s for s in (found.watchdog, found.faults, reporting, nonfinite, found.recovery) if s] + recorder + checks
+    )
     if found.recovery:
         found.recovery.services = [s for s in found.all if s is not found.recovery]
     return found
@@ -107,10 +131,14 @@ def _tuning(trainer, reporting: Reporting, injector: Injector) -> list[Service]:
 
 def probe(mon: Monitor, found: Services) -> StepProbe:
     beat = found.watchdog.beat if found.watchdog else StepProbe().beat
-    made = StepProbe(mon.clock or NullClock(), beat, found.faults.slow_down, found.faults.straggle, found.faults.reached,
-                     spoil=found.faults.injector.spoil)
+    made = StepProbe(
+        mon.clock or NullClock(),
+        beat,
+        found.faults.slow_down,
+        found.faults.straggle,
+        found.faults.reached,
+        spoil=found.faults.injector.spoil,
+    )
     for service in found.all:
         made.around_forward = getattr(service, "around_forward", made.around_forward)  # --balance's memory guard
     return made
-
-

@@ -14,8 +14,16 @@ from gradmesh.loop.services import RunContext, Service
 class Checkpointing(Service):
     lockstep = True
 
-    def __init__(self, ctx: RunContext, config: CheckpointConfig, sampler: GlobalOrderSampler, reporting,
-                 run_info: dict, on_written=lambda step: None, in_place: bool = False):
+    def __init__(
+        self,
+        ctx: RunContext,
+        config: CheckpointConfig,
+        sampler: GlobalOrderSampler,
+        reporting,
+        run_info: dict,
+        on_written=lambda step: None,
+        in_place: bool = False,
+    ):
         self.ctx, self.config, self.sampler, self.reporting = ctx, config, sampler, reporting
         self.run_info, self.on_written = run_info, on_written
         self.in_place = in_place
@@ -28,8 +36,14 @@ class Checkpointing(Service):
         ctx = self.ctx
         if not ctx.run_dir:
             return None
-        return checkpoint.Checkpointer(ctx.run_dir, ctx.topology.side_group("checkpoint"), ctx.is_main,
-                                       self.config.keep, self.config.async_save, on_written=self.on_written)
+        return checkpoint.Checkpointer(
+            ctx.run_dir,
+            ctx.topology.side_group("checkpoint"),
+            ctx.is_main,
+            self.config.keep,
+            self.config.async_save,
+            on_written=self.on_written,
+        )
 
     def regrouped(self) -> None:
         self.checkpointer = self._checkpointer()
@@ -46,8 +60,14 @@ class Checkpointing(Service):
             return
         self.reporting.reporter.flush()  # the metrics of every step the checkpoint covers are on disk with it
         topo = self.ctx.topology
-        state = {"step": step, "sampler": self.sampler.state_dict(), "world_size": topo.world_size,
-                 "strategy": self.ctx.engine.plan.label, "run": self.run_info, **self.policy.state()}
+        state = {
+            "step": step,
+            "sampler": self.sampler.state_dict(),
+            "world_size": topo.world_size,
+            "strategy": self.ctx.engine.plan.label,
+            "run": self.run_info,
+            **self.policy.state(),
+        }
         with self.reporting.monitor.timed("checkpoint", step):  # checkpoint I/O, outside the step's phases
             try:
                 self.checkpointer.save(step, self.ctx.engine, state)
@@ -57,8 +77,10 @@ class Checkpointing(Service):
                 # Never published, so nothing will resume from it; the next step's collectives
                 # fail on the same loss and the survivors regroup there.
                 cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                self.reporting.note(f"gradmesh: the checkpoint of step {step} was abandoned: a worker was lost "
-                                    f"while it was written ({cause[:160]})")
+                self.reporting.note(
+                    f"gradmesh: the checkpoint of step {step} was abandoned: a worker was lost "
+                    f"while it was written ({cause[:160]})"
+                )
 
     def finish_run(self, max_steps: int, steps_run: int) -> None:
         """The last step is always checkpointed; an async write in flight is published."""
@@ -97,8 +119,10 @@ class Checkpointing(Service):
         self.sampler.load_state_dict(state["sampler"])
         self.policy.load(state)
         self._forget_steps_after(state["step"], keep_alerts)
-        self.reporting.note(f"resumed from {path} (step {state['step']}, written by {state.get('strategy')} "
-                            f"at world size {state.get('world_size')})")
+        self.reporting.note(
+            f"resumed from {path} (step {state['step']}, written by {state.get('strategy')} "
+            f"at world size {state.get('world_size')})"
+        )
         return state["step"]
 
     def _forget_steps_after(self, step: int, keep_alerts: bool = False) -> None:

@@ -26,14 +26,18 @@ class CompressionChoice(Service):
         figures = probe_bandwidth(group, topology.device)
         step_s = largest(elapsed, group)
         shapes = [p.shape for p in self.ctx.engine.model.parameters() if p.requires_grad]
-        figures.update(decide(shapes, topology.dp_size, figures["bandwidth_Bps"], step_s, self.feedback_ok),
-                       step=outcome.step, ranks=topology.dp_size)
+        figures.update(
+            decide(shapes, topology.dp_size, figures["bandwidth_Bps"], step_s, self.feedback_ok),
+            step=outcome.step,
+            ranks=topology.dp_size,
+        )
         chosen = reducer_for(figures["choice"])
         if chosen is not None:
             self.auto.choose(chosen)
         if self.ctx.is_main:
             if self.ctx.run_dir:
                 atomic_write(self.ctx.run_dir / "compression.json", json.dumps(figures, indent=1))
-            self.reporting.note(f"--compression auto: {figures['choice']} from step {outcome.step + 1} "
-                                f"(link {figures['bandwidth_Bps'] * 8 / 1e6:,.0f} Mbit/s; {figures['reason']})")
-
+            self.reporting.note(
+                f"--compression auto: {figures['choice']} from step {outcome.step + 1} "
+                f"(link {figures['bandwidth_Bps'] * 8 / 1e6:,.0f} Mbit/s; {figures['reason']})"
+            )

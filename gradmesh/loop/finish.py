@@ -29,8 +29,10 @@ def _refuse_nonfinite(weights: dict[str, torch.Tensor], step: int) -> None:
     update is the one no later step's check could catch)."""
     bad = [name for name, tensor in weights.items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
     if bad:
-        message = (f"gradmesh: the weights after step {step} hold NaN or infinite values (first in {bad[0]!r}, "
-                   f"{len(bad)} tensor(s)); model.safetensors was not written: try a lower --lr or gradient clipping")
+        message = (
+            f"gradmesh: the weights after step {step} hold NaN or infinite values (first in {bad[0]!r}, "
+            f"{len(bad)} tensor(s)); model.safetensors was not written: try a lower --lr or gradient clipping"
+        )
         print(message, file=sys.stderr, flush=True)
         raise NonFiniteError(message)
 
@@ -45,14 +47,22 @@ def finish_run(trainer, start_step: int, wall: float) -> dict:
     weights = trainer.engine.full_state()
     last, train_time = reporting.totals.last, reporting.train_time
     summary = {
-        "steps": train.max_steps, "steps_this_run": steps, "samples": reporting.samples,
-        "wall_s": wall, "train_s": train_time,
+        "steps": train.max_steps,
+        "steps_this_run": steps,
+        "samples": reporting.samples,
+        "wall_s": wall,
+        "train_s": train_time,
         "samples_per_s": (reporting.samples - trainer.samples_before(start_step)) / train_time if train_time else 0.0,
-        "final_loss": _last_loss(reporting.totals.recent), "eval": eval_metrics,
-        "world_size": topo.world_size, "strategy": trainer.plan.label, "peak_memory_bytes": _peak_memory(topo),
+        "final_loss": _last_loss(reporting.totals.recent),
+        "eval": eval_metrics,
+        "world_size": topo.world_size,
+        "strategy": trainer.plan.label,
+        "peak_memory_bytes": _peak_memory(topo),
         "model_state_bytes": last["model_state_bytes"] if last else [],
-        "run_dir": str(trainer.run_dir) if trainer.run_dir else "", **trainer.run_info,
-        **(trainer.monitor.summary(reporting.totals) if topo.is_main else {}), **reporting.totals.staleness(),
+        "run_dir": str(trainer.run_dir) if trainer.run_dir else "",
+        **trainer.run_info,
+        **(trainer.monitor.summary(reporting.totals) if topo.is_main else {}),
+        **reporting.totals.staleness(),
     }
     trainer.final_weights = weights if topo.is_main else None
     if trainer.services.nonfinite.skipped:

@@ -40,8 +40,11 @@ class NonFinitePolicy(Service):
     def __init__(self, ctx: RunContext, reporting, policy: str, max_skips: int, max_rollbacks: int, train):
         self.ctx, self.reporting, self.policy = ctx, reporting, policy
         self.max_skips, self.max_rollbacks = max_skips, max_rollbacks
-        clip = f"a tighter gradient clip (now --set train.grad_clip={train.grad_clip:g})" if train.grad_clip else \
-            "gradient clipping (--set train.grad_clip=1.0)"
+        clip = (
+            f"a tighter gradient clip (now --set train.grad_clip={train.grad_clip:g})"
+            if train.grad_clip
+            else "gradient clipping (--set train.grad_clip=1.0)"
+        )
         self.advice = f"try a lower --lr (now {train.lr:g}), {clip}, or --on-nonfinite skip|rollback"
         self.in_row, self.rollbacks = 0, 0
         self.skipped: list[int] = []
@@ -56,20 +59,28 @@ class NonFinitePolicy(Service):
         self.in_row += 1
         if self.policy == "skip" and self.in_row < self.max_skips:
             self.skipped.append(found.step)
-            self._alert(found, f"its update was dropped on every rank (--on-nonfinite skip, {self.in_row} of "
-                               f"{self.max_skips} in a row before the run stops)")
+            self._alert(
+                found,
+                f"its update was dropped on every rank (--on-nonfinite skip, {self.in_row} of "
+                f"{self.max_skips} in a row before the run stops)",
+            )
         elif self.policy == "rollback" and self.rollbacks < self.max_rollbacks:
             self.rollbacks += 1
             self.batches_to_skip.add(found.step)
-            self._alert(found, f"rolling back to the last intact checkpoint; the batch of step {found.step} will be "
-                               f"skipped (--on-nonfinite rollback, {self.rollbacks} of {self.max_rollbacks})")
+            self._alert(
+                found,
+                f"rolling back to the last intact checkpoint; the batch of step {found.step} will be "
+                f"skipped (--on-nonfinite rollback, {self.rollbacks} of {self.max_rollbacks})",
+            )
             raise RollBack(found.step)
         else:
             self._stop(found)
 
     def _stop(self, found) -> None:
-        why = {"skip": f"{self.in_row} steps in a row were not finite", "rollback": f"{self.rollbacks} rollback(s) "
-               "did not help"}.get(self.policy, "--on-nonfinite stop")
+        why = {
+            "skip": f"{self.in_row} steps in a row were not finite",
+            "rollback": f"{self.rollbacks} rollback(s) did not help",
+        }.get(self.policy, "--on-nonfinite stop")
         message = self._alert(found, f"nothing of it was applied and the run stops ({why}): {self.advice}")
         self.reporting.reporter.flush()  # every rank is here: the rows before this one reach metrics.jsonl
         raise NonFiniteError(message)
@@ -84,8 +95,17 @@ class NonFinitePolicy(Service):
         """Rank 0 records where the run went back to (RUN_DIR/faults.jsonl) and says it."""
         if self.ctx.is_main and self.ctx.run_dir:
             with open_append(self.ctx.run_dir / "faults.jsonl") as log:
-                log.write(json.dumps({"event": "rollback", "to_step": to_step, "skip_batches": sorted(self.batches_to_skip),
-                                      "time": time.time()}) + "\n")
+                log.write(
+                    json.dumps(
+                        {
+                            "event": "rollback",
+                            "to_step": to_step,
+                            "skip_batches": sorted(self.batches_to_skip),
+                            "time": time.time(),
+                        }
+                    )
+                    + "\n"
+                )
         self.reporting.note(f"gradmesh: rolled back to step {to_step}")
 
     def skipped_outcome(self, batch, lr: float, figures) -> StepOutcome:

@@ -29,9 +29,16 @@ class Reporting(Service):
     def _reporter(self) -> StepReporter:
         ctx = self.ctx
         path = ctx.run_dir / "metrics.jsonl" if ctx.run_dir and ctx.is_main else None
-        return StepReporter(ctx.topology.side_group("metrics"), self.log_every, path, on_record=self._show,
-                            membership=self.membership, on_row=self.monitor.on_row if ctx.is_main else None,
-                            with_breakdown=self.monitor.clock is not None, totals=self.totals)
+        return StepReporter(
+            ctx.topology.side_group("metrics"),
+            self.log_every,
+            path,
+            on_record=self._show,
+            membership=self.membership,
+            on_row=self.monitor.on_row if ctx.is_main else None,
+            with_breakdown=self.monitor.clock is not None,
+            totals=self.totals,
+        )
 
     def start(self, first_step: int) -> None:
         self.progress.start = first_step
@@ -51,9 +58,14 @@ class Reporting(Service):
         self.train_time += elapsed
         self.samples += batch.size
         split = batch.proportions  # a batch redone after a regroup to fewer ranks was split equally
-        row = outcome.row if split is None or len(split) != self.ctx.topology.dp_size \
+        row = (
+            outcome.row
+            if split is None or len(split) != self.ctx.topology.dp_size
             else {**outcome.row, "shares": [round(p, 4) for p in split]}
-        self.reporter.add(StepRecord(step, batch.epoch, batch.size, self.samples, outcome.lr, elapsed, figures, row=row))
+        )
+        self.reporter.add(
+            StepRecord(step, batch.epoch, batch.size, self.samples, outcome.lr, elapsed, figures, row=row)
+        )
 
     def _show(self, row: dict) -> None:
         self.progress.update(row["step"], row["loss"], row["samples_per_s"])
@@ -69,8 +81,13 @@ class Reporting(Service):
         self.reporter.flush()
         clock, ctx = self.monitor.clock, self.ctx
         if clock and clock.trace_range:
-            trace.gather_and_write(clock.events, ctx.topology.rank, ctx.topology.world_size, self.reporter.group,
-                                   ctx.run_dir / "trace.json" if ctx.run_dir else None)
+            trace.gather_and_write(
+                clock.events,
+                ctx.topology.rank,
+                ctx.topology.world_size,
+                self.reporter.group,
+                ctx.run_dir / "trace.json" if ctx.run_dir else None,
+            )
         self.progress.close()
 
 
@@ -90,10 +107,16 @@ class ReplicaCheck(Service):
         reported, self.diverged = self.diverged, bool(found)
         if found and self.ctx.is_main and not reported:  # once, until the replicas agree again
             step, ranks = outcome.step, ", ".join(map(str, found["ranks"]))
-            self.reporting.monitor.alert({
-                "step": step, "kind": "divergence", "rank": found["ranks"][0], "tensor": found["tensor"],
-                "message": f"replicas diverged by step {step}: rank(s) {ranks} differ from the others, "
-                           f"first in {found['tensor']!r} ({found['differing_tensors']} tensor(s) differ)"})
+            self.reporting.monitor.alert(
+                {
+                    "step": step,
+                    "kind": "divergence",
+                    "rank": found["ranks"][0],
+                    "tensor": found["tensor"],
+                    "message": f"replicas diverged by step {step}: rank(s) {ranks} differ from the others, "
+                    f"first in {found['tensor']!r} ({found['differing_tensors']} tensor(s) differ)",
+                }
+            )
 
 
 def evaluate(ctx: RunContext, eval_fn) -> dict:
@@ -133,4 +156,3 @@ class Evaluation(Service):
         metrics = evaluate(self.ctx, self.eval_fn)
         if metrics and self.ctx.is_main:
             self.reporting.note(f"step {step} eval " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-

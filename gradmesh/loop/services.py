@@ -83,8 +83,10 @@ class SampleRecorder(Service):
     def after_step(self, outcome: StepOutcome, elapsed: float) -> None:
         if self.file:
             batch = outcome.batch
-            self.file.write(json.dumps({"step": outcome.step, "epoch": batch.epoch, "indices": outcome.indices,
-                                        **outcome.detail}) + "\n")
+            self.file.write(
+                json.dumps({"step": outcome.step, "epoch": batch.epoch, "indices": outcome.indices, **outcome.detail})
+                + "\n"
+            )
 
     def finish(self) -> None:
         if self.file:

@@ -79,7 +79,12 @@ def init(device: str = "auto", mesh: dict[str, int] | None = None, seed: int = 0
         except inplace.Regroup:
             continue
     where = env.placement()
-    topology = Topology(rank=members.index(membership.identity), world_size=len(members),
-                        local_rank=where.local_rank, local_world_size=where.local_world_size,
-                        device_type=resolve_device(device), mesh_shape={"dp": len(members)})
+    topology = Topology(
+        rank=members.index(membership.identity),
+        world_size=len(members),
+        local_rank=where.local_rank,
+        local_world_size=where.local_world_size,
+        device_type=resolve_device(device),
+        mesh_shape={"dp": len(members)},
+    )
     return Session(topology.start(membership.generation), membership)

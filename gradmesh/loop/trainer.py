@@ -30,8 +30,8 @@ from gradmesh.errors import UsageError
 from gradmesh.loop import build
 from gradmesh.loop.finish import finish_run
 from gradmesh.loop.nonfinite import NonFiniteError, RollBack
-from gradmesh.loop.session import Session, init
 from gradmesh.loop.services import RunContext, largest
+from gradmesh.loop.session import Session, init
 from gradmesh.monitor.progress import print_summary
 from gradmesh.parallel.registry import resolve
 
@@ -51,12 +51,25 @@ def optimizer_spec(train: TrainConfig) -> OptimizerSpec:
 class Trainer:
     """Runs `train.max_steps` optimizer steps of `model` on `dataset` across the session's ranks."""
 
-    def __init__(self, session: Session, model: nn.Module, loss_fn: LossFn, dataset, *,
-                 train: TrainConfig | None = None, checkpointing: CheckpointConfig | None = None,
-                 optimizer: OptimizerSpec | None = None, run_dir: str | Path | None = None,
-                 eval_fn: Callable[[nn.Module], dict] | None = None, quiet: bool = False,
-                 run_info: dict | None = None, criterion: Callable | None = None,
-                 faults: FaultConfig | None = None, monitor: MonitorConfig | None = None, ps: PSConfig | None = None):
+    def __init__(
+        self,
+        session: Session,
+        model: nn.Module,
+        loss_fn: LossFn,
+        dataset,
+        *,
+        train: TrainConfig | None = None,
+        checkpointing: CheckpointConfig | None = None,
+        optimizer: OptimizerSpec | None = None,
+        run_dir: str | Path | None = None,
+        eval_fn: Callable[[nn.Module], dict] | None = None,
+        quiet: bool = False,
+        run_info: dict | None = None,
+        criterion: Callable | None = None,
+        faults: FaultConfig | None = None,
+        monitor: MonitorConfig | None = None,
+        ps: PSConfig | None = None,
+    ):
         self.session, self.topo = session, session.topology
         self.train = train or TrainConfig()
         self.checkpointing = checkpointing or CheckpointConfig()
@@ -65,12 +78,8 @@ class Trainer:
         self.restarted = env.restart_count() > 0
         self.plan = resolve(self.train.strategy, self.topo.mesh_shape)
         self.monitor, self.counter = build.monitor(session, monitor, self.run_dir, self.plan)
-        optimizer_class, kwargs = optimizer or optimizer_spec(self.train)
-        self.auto_compression = reducer_for(self.train.compression)
-        reducer = build_reducer(self.counter, self.monitor.clock, session.membership, self.auto_compression)
         faults = faults or FaultConfig()
-        job = Job(loss_fn, dataset, self.train, optimizer_class, kwargs, criterion, reducer, self.counter, ps or PSConfig(),
-                  session.membership, faults.step_timeout, faults.on_nonfinite)
+        job = self._job(loss_fn, dataset, optimizer, criterion, ps, faults)
         self.engine = build_engine(self.topo, self.plan, model, job)
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
         self.ctx = RunContext(self.topo, self.engine, self.run_dir, session.identity, quiet)
@@ -79,6 +88,26 @@ class Trainer:
         self.stepper = self.services.recovery or self.engine
         if session.joined:  # a replacement: the state comes from a live peer
             self.services.recovery.after_regroup([])
+
+    def _job(self, loss_fn: LossFn, dataset, optimizer, criterion, ps, faults: FaultConfig) -> Job:
+        """What the engine is built from besides the plan and the model."""
+        optimizer_class, kwargs = optimizer or optimizer_spec(self.train)
+        self.auto_compression = reducer_for(self.train.compression)
+        reducer = build_reducer(self.counter, self.monitor.clock, self.session.membership, self.auto_compression)
+        return Job(
+            loss_fn=loss_fn,
+            dataset=dataset,
+            train=self.train,
+            optimizer_class=optimizer_class,
+            optimizer_kwargs=kwargs,
+            criterion=criterion,
+            reducer=reducer,
+            counter=self.counter,
+            ps=ps or PSConfig(),
+            membership=self.session.membership,
+            step_timeout=faults.step_timeout,
+            on_nonfinite=faults.on_nonfinite,
+        )
 
     @property
     def model(self) -> nn.Module:
@@ -182,4 +211,4 @@ class Trainer:
             print_summary(self.summary, sample)
 
 
-__all__ = ["Trainer", "Session", "init", "optimizer_spec", "UsageError", "NonFiniteError"]
+__all__ = ["NonFiniteError", "Session", "Trainer", "UsageError", "init", "optimizer_spec"]

@@ -27,8 +27,9 @@ class DLRM(nn.Module):
         self.table_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
         # Given its weight, nn.Embedding skips its initialiser: the first one run on the meta
         # device imports torch._dynamo (0.8 s per process), and these values come from init_rows.
-        self.tables = nn.ModuleList(nn.Embedding(count, dim, _weight=torch.empty(count, dim, device="meta"))
-                                    for count in rows)
+        self.tables = nn.ModuleList(
+            nn.Embedding(count, dim, _weight=torch.empty(count, dim, device="meta")) for count in rows
+        )
         if materialize:
             self.materialize_tables()
         self.bottom = _mlp([dense, hidden, dim], last_activation=True)
@@ -47,7 +48,7 @@ class DLRM(nn.Module):
             seed = (self.table_seed + 1_000_003 * table + block) % 2**63
             generator = torch.Generator(device="cpu").manual_seed(seed)
             values = torch.randn(end - start, dim, generator=generator, device="cpu") * 0.05
-            parts.append(values[max(low - start, 0):high - start])
+            parts.append(values[max(low - start, 0) : high - start])
         return torch.cat(parts) if parts else torch.zeros(0, dim)
 
     def materialize_tables(self) -> None:

@@ -37,11 +37,11 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, _ = x.shape
         # -1 heads, not n_head: under tensor parallelism each rank holds a share of the heads.
-        q, k, v = (proj(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        q, k, v = (
+            proj(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.c_proj(y.transpose(1, 2).reshape(batch, time, -1))
 
 
@@ -107,8 +107,14 @@ class GPT(nn.Module):
         return x
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 0.8,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         for _ in range(new_tokens):
             logits = self(idx[:, -self.cfg.block_size :])[:, -1, :] / temperature
             if top_k is not None:

@@ -9,8 +9,12 @@ class MLP(nn.Module):
     def __init__(self, inputs: int = 64, hidden: int = 128, classes: int = 10, dropout: float = 0.0):
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(inputs, hidden), nn.ReLU(), nn.Dropout(dropout),
-            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(inputs, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
             nn.Linear(hidden, classes),
         )
 

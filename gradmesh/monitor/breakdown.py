@@ -55,8 +55,16 @@ class StepClock:
         self.started = time.perf_counter()
 
     def event(self, name: str, start: float, end: float, track: str) -> None:
-        self.events.append({"name": name, "ph": "X", "ts": (start + self.wall_offset) * 1e6, "dur": (end - start) * 1e6,
-                            "tid": track, "args": {"step": self.step}})
+        self.events.append(
+            {
+                "name": name,
+                "ph": "X",
+                "ts": (start + self.wall_offset) * 1e6,
+                "dur": (end - start) * 1e6,
+                "tid": track,
+                "args": {"step": self.step},
+            }
+        )
 
     wall_offset = time.time() - time.perf_counter()
     """perf_counter -> wall-clock seconds: the ranks' traces line up on one time axis."""

@@ -1,7 +1,8 @@
 """`gradmesh monitor`: a live web dashboard of one run directory.
 
 The standard library's http.server is enough: one page, plotly.js and one JSON route, read by
-one person's browser (listener.py adds the Host check, the thread cap, the idle timeout and IPv6). The page polls `/api/rows?after=N` every second and appends
+one person's browser (listener.py adds the Host check, the thread cap, the idle timeout and IPv6).
+The page polls `/api/rows?after=N` every second and appends
 what is new, so a finished run loads at once and a running one updates as rank 0 writes.
 plotly.js is served from the installed `plotly` package: the machines training runs on often
 have no route to a CDN.
@@ -55,10 +56,15 @@ class RunState:
     def rows_after(self, after: int) -> dict:
         generation, rows = self.metrics.read()
         run = {"name": self.run_dir.resolve().name, "path": str(self.run_dir), **runfiles.read_config(self.run_dir)}
-        return {"rows": rows[after:after + MAX_ROWS], "total": len(rows), "generation": generation,
-                "alerts": self._alerts(),
-                "summary": runfiles.read_summary(self.run_dir),
-                "status": runfiles.status(self.run_dir), "run": run}
+        return {
+            "rows": rows[after : after + MAX_ROWS],
+            "total": len(rows),
+            "generation": generation,
+            "alerts": self._alerts(),
+            "summary": runfiles.read_summary(self.run_dir),
+            "status": runfiles.status(self.run_dir),
+            "run": run,
+        }
 
     def _alerts(self) -> list[dict]:
         try:
@@ -78,7 +84,9 @@ def _finite(value):
     return value
 
 
-def make_handler(state: RunState, page: bytes, script: bytes, hosts: listener.HostCheck) -> type[BaseHTTPRequestHandler]:
+def make_handler(
+    state: RunState, page: bytes, script: bytes, hosts: listener.HostCheck
+) -> type[BaseHTTPRequestHandler]:
     class Handler(listener.OneLineErrors):
         def do_GET(self):
             hosts_sent = self.headers.get_all("Host")

@@ -79,8 +79,10 @@ class HostCheck:
         address = _address(name)
         if name in self.names or (address is not None and (address.is_loopback or not self.loopback)):
             return None
-        return HTTPStatus.FORBIDDEN, (f"Host {name!r} is not a name of this server (DNS rebinding?); "
-                                      f"use one of {sorted(self.names)} or an IP address of it")
+        return HTTPStatus.FORBIDDEN, (
+            f"Host {name!r} is not a name of this server (DNS rebinding?); "
+            f"use one of {sorted(self.names)} or an IP address of it"
+        )
 
 
 def one_line(status: HTTPStatus, line: str) -> bytes:
@@ -174,8 +176,10 @@ def _busy(request: socket.socket) -> None:
         pass
     try:
         request.settimeout(1)
-        request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        request.sendall(
+            b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
     except OSError:
         pass
 
@@ -187,14 +191,18 @@ def url(server: HTTPServer) -> str:
 
 def host_checked(app, check: HostCheck):
     """A WSGI app that answers only the Host headers `check` accepts."""
+
     def guarded(environ, start_response):
         refused = check.refusal(environ.get("HTTP_HOST"))  # wsgiref joins repeated headers with ","
         if refused is None:
             return app(environ, start_response)
         body = one_line(*refused)
-        start_response(f"{refused[0].value} {refused[0].phrase}",
-                       [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+        start_response(
+            f"{refused[0].value} {refused[0].phrase}",
+            [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))],
+        )
         return [body]
+
     return guarded
 
 

@@ -17,7 +17,6 @@ from gradmesh.files import open_append
 from gradmesh.monitor.breakdown import FIGURES, StepClock
 from gradmesh.monitor.stragglers import StragglerDetector, busy_times, imbalance, worker_breakdown
 
-
 MAX_TRACED_STEPS = 200
 """Every event of a traced step stays in each rank's memory until the end, when rank 0 gathers
 them all into trace.json: a span without bound would grow a long run's memory with every step."""
@@ -37,8 +36,10 @@ def traced_steps(text: str, warn) -> tuple[int, int] | None:
     if span is None or span[1] - span[0] < MAX_TRACED_STEPS:
         return span
     first, last = span[0], span[0] + MAX_TRACED_STEPS - 1
-    warn(f"gradmesh: warning: --trace-steps {text} spans {span[1] - span[0] + 1:,} steps; tracing steps {first}:{last} "
-         f"only (at most {MAX_TRACED_STEPS}: each traced step's events are held in memory until the end of the run)")
+    warn(
+        f"gradmesh: warning: --trace-steps {text} spans {span[1] - span[0] + 1:,} steps; tracing steps {first}:{last} "
+        f"only (at most {MAX_TRACED_STEPS}: each traced step's events are held in memory until the end of the run)"
+    )
     return first, last
 
 
@@ -47,8 +48,15 @@ def _stderr(text: str) -> None:
 
 
 class Monitor:
-    def __init__(self, config: MonitorConfig, run_dir: Path | None, identity: int, is_main: bool,
-                 same_work: bool = True, counter=None):
+    def __init__(
+        self,
+        config: MonitorConfig,
+        run_dir: Path | None,
+        identity: int,
+        is_main: bool,
+        same_work: bool = True,
+        counter=None,
+    ):
         """same_work: every rank does the same work per step (data and tensor parallel), so a slow
         one is a straggler; pipeline stages differ by design and are not compared.
         counter: the job's gradmesh.comm.CommCounter, read at the end of each step."""
@@ -122,9 +130,11 @@ class Monitor:
         if self.clock is None or not totals.breakdown_rows:
             return {}
         whole = sum(totals.phase_seconds.values()) or 1.0
-        return {"step_split": {phase: round(t / whole, 4) for phase, t in totals.phase_seconds.items()},
-                "imbalance_mean": round(totals.imbalance_sum / totals.breakdown_rows, 4),
-                "alerts": self.alert_count}
+        return {
+            "step_split": {phase: round(t / whole, 4) for phase, t in totals.phase_seconds.items()},
+            "imbalance_mean": round(totals.imbalance_sum / totals.breakdown_rows, 4),
+            "alerts": self.alert_count,
+        }
 
     def alert(self, alert: dict) -> None:
         """Rank 0: log an alert (stderr, even under --quiet) and keep it in alerts.jsonl."""

@@ -22,10 +22,16 @@ class TrainingProgress:
         self._bar = None
         if self.live:
             self._bar = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                console=self.console, transient=False,
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[rate]} samples/s"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
             )
             self._task = self._bar.add_task("train", total=total, completed=start, loss="-", rate="-")
             self._bar.start()
@@ -40,8 +46,9 @@ class TrainingProgress:
             self._next_line = step + self._every
             elapsed = time.perf_counter() - self._started
             eta = elapsed / max(1, step - self.start) * (self.total - step)
-            print(f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s  eta {eta:.0f}s",
-                  flush=True)
+            print(
+                f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s  eta {eta:.0f}s", flush=True
+            )
 
     def note(self, text: str) -> None:
         if self.enabled:
@@ -81,9 +88,12 @@ def summary_table(summary: dict) -> Table:
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
-        ("strategy", summary["strategy"]), ("world size", summary["world_size"]),
-        ("steps", summary["steps"]), ("samples", f"{summary['samples']:,}"),
-        ("wall time", f"{summary['wall_s']:.1f} s"), ("samples/s", f"{summary['samples_per_s']:,.1f}"),
+        ("strategy", summary["strategy"]),
+        ("world size", summary["world_size"]),
+        ("steps", summary["steps"]),
+        ("samples", f"{summary['samples']:,}"),
+        ("wall time", f"{summary['wall_s']:.1f} s"),
+        ("samples/s", f"{summary['samples_per_s']:,.1f}"),
         ("final train loss", f"{summary['final_loss']:.4f}"),
     ]
     rows += _eval_rows(summary.get("eval", {}))
@@ -115,13 +125,21 @@ def print_summary(summary: dict, sample: str | None = None) -> None:
 
 def print_pipeline_plan(plan: dict) -> None:
     """The cut a pipeline runs with: which units each stage holds and its measured share."""
-    table = Table(title=f"pipeline: {plan['schedule']}, {plan['microbatches']} micro-batches, {plan['cut']} cut",
-                  header_style="bold")
+    table = Table(
+        title=f"pipeline: {plan['schedule']}, {plan['microbatches']} micro-batches, {plan['cut']} cut",
+        header_style="bold",
+    )
     for column in ("stage", "rank", "units", "fwd+bwd ms", "memory", "load"):
         table.add_column(column, justify="left" if column == "units" else "right")
     for stage in plan["stages"]:
         units = stage["units"]
         shown = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
-        table.add_row(str(stage["stage"]), str(stage["rank"]), shown, f"{stage['seconds'] * 1e3:.2f}",
-                      _fmt_bytes(stage["bytes"]), f"{stage['load']:.2f}")
+        table.add_row(
+            str(stage["stage"]),
+            str(stage["rank"]),
+            shown,
+            f"{stage['seconds'] * 1e3:.2f}",
+            _fmt_bytes(stage["bytes"]),
+            f"{stage['load']:.2f}",
+        )
     Console(file=sys.stdout).print(table)

@@ -18,8 +18,14 @@ from gradmesh.errors import UsageError
 from gradmesh.files import atomic_write, read_jsonl, replacing
 from gradmesh.monitor import runfiles
 
-COLORS = {"data": "#8c6bb1", "forward": "#4c78a8", "backward": "#72b7b2", "comm": "#f58518",
-          "optimizer": "#54a24b", "idle": "#c7c2bd"}
+COLORS = {
+    "data": "#8c6bb1",
+    "forward": "#4c78a8",
+    "backward": "#72b7b2",
+    "comm": "#f58518",
+    "optimizer": "#54a24b",
+    "idle": "#c7c2bd",
+}
 MiB = 1024 * 1024
 
 
@@ -56,8 +62,14 @@ def plot_throughput(rows: list[dict], path: Path) -> None:
     ax.plot([r["step"] for r in rows], [_number(r.get("samples_per_s")) for r in rows], color="#54a24b", linewidth=1.6)
     flagged = [r for r in rows if r.get("stragglers")]
     if flagged:
-        ax.scatter([r["step"] for r in flagged], [_number(r.get("samples_per_s")) for r in flagged],
-                   color="#d62728", s=16, zorder=3, label="straggler flagged")
+        ax.scatter(
+            [r["step"] for r in flagged],
+            [_number(r.get("samples_per_s")) for r in flagged],
+            color="#d62728",
+            s=16,
+            zorder=3,
+            label="straggler flagged",
+        )
         ax.legend(frameon=False)
     ax.set_ylim(bottom=0)
     _save(fig, path)
@@ -88,12 +100,20 @@ def plot_breakdown(means: dict[str, list[float]], path: Path) -> None:
 
 def plot_memory(peak: list[int], state: list[int], path: Path) -> None:
     fig, ax = _figure("Memory per rank", "MiB", xlabel="")
-    series = [(name, values, color) for name, values, color in
-              (("peak memory", peak, "#4c78a8"), ("model state", state, "#9ecae9")) if values]
+    series = [
+        (name, values, color)
+        for name, values, color in (("peak memory", peak, "#4c78a8"), ("model state", state, "#9ecae9"))
+        if values
+    ]
     width = 0.8 / max(1, len(series))
     for k, (name, values, color) in enumerate(series):
-        ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(values))],
-               [v / MiB for v in values], width=width, color=color, label=name)
+        ax.bar(
+            [i + (k - (len(series) - 1) / 2) * width for i in range(len(values))],
+            [v / MiB for v in values],
+            width=width,
+            color=color,
+            label=name,
+        )
     ranks = max((len(values) for _, values, _ in series), default=0)
     ax.set_xticks(range(ranks), [f"rank {i}" for i in range(ranks)])
     if series:
@@ -124,7 +144,10 @@ def _summary_rows(rows: list[dict], summary: dict | None) -> list[tuple[str, str
         ("world size", str(world)),
         ("strategy", str(summary.get("strategy", "–"))),
         ("wall time", f"{wall:.1f} s" if isinstance(wall, (int, float)) else "–"),
-        ("imbalance mean / max", f"{sum(imbalance) / len(imbalance):.1%} / {max(imbalance):.1%}" if imbalance else "no breakdown recorded"),
+        (
+            "imbalance mean / max",
+            f"{sum(imbalance) / len(imbalance):.1%} / {max(imbalance):.1%}" if imbalance else "no breakdown recorded",
+        ),
     ]
 
 
@@ -140,7 +163,9 @@ def write_report(run_dir: str | Path) -> Path:
         raise UsageError(f"{str(run_dir)!r} has no metrics.jsonl; is it a gradmesh run dir?")
     rows = [row for row in map(runfiles.well_typed, read_jsonl(run_dir / "metrics.jsonl")) if "step" in row]
     if not rows:
-        raise UsageError(f"{str(run_dir / 'metrics.jsonl')!r} has no steps yet; report again once training has logged one")
+        raise UsageError(
+            f"{str(run_dir / 'metrics.jsonl')!r} has no steps yet; report again once training has logged one"
+        )
     summary = runfiles.well_typed(runfiles.read_summary(run_dir) or {}) or None
     out = run_dir / "report"
     _refuse_links(out, run_dir / "report.html")
@@ -168,8 +193,10 @@ def write_report(run_dir: str | Path) -> Path:
 def _refuse_links(*paths: Path) -> None:
     for path in paths:
         if path.is_symlink():
-            raise UsageError(f"{str(path)!r} is a symbolic link; gradmesh report never writes or deletes through a "
-                             "link: remove it and report again")
+            raise UsageError(
+                f"{str(path)!r} is a symbolic link; gradmesh report never writes or deletes through a "
+                "link: remove it and report again"
+            )
 
 
 def _html(run_dir: Path, rows, summary, plots: list[str], alerts: list[dict]) -> str:
@@ -179,8 +206,11 @@ def _html(run_dir: Path, rows, summary, plots: list[str], alerts: list[dict]) ->
     if "breakdown" not in plots:
         figures += '<p class="muted">no breakdown recorded</p>'
     newest = sorted(alerts, key=lambda a: (_sortable(a.get("time")), _sortable(a.get("step"))), reverse=True)
-    items = "".join(f'<li class="alert {esc(str(a.get("kind", "")))}"><b>{esc(str(a.get("kind", "alert")))}</b> '
-                    f'step {esc(str(a.get("step", "?")))}: {esc(str(a.get("message", "")))}</li>' for a in newest)
+    items = "".join(
+        f'<li class="alert {esc(str(a.get("kind", "")))}"><b>{esc(str(a.get("kind", "alert")))}</b> '
+        f"step {esc(str(a.get('step', '?')))}: {esc(str(a.get('message', '')))}</li>"
+        for a in newest
+    )
     name = esc(run_dir.resolve().name)
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{name} · gradmesh report</title>
@@ -188,7 +218,8 @@ def _html(run_dir: Path, rows, summary, plots: list[str], alerts: list[dict]) ->
 body {{ font: 14px/1.45 system-ui, sans-serif; color: #1f2430; max-width: 1100px; margin: 24px auto; padding: 0 20px; }}
 h1 {{ font-size: 20px; margin-bottom: 2px; }} .muted {{ color: #6b7280; }}
 table {{ border-collapse: collapse; margin: 14px 0 20px; }}
-th, td {{ text-align: left; padding: 4px 14px 4px 0; border-bottom: 1px solid #e3e5ea; }} th {{ font-weight: 500; color: #6b7280; }}
+th, td {{ text-align: left; padding: 4px 14px 4px 0; border-bottom: 1px solid #e3e5ea; }}
+th {{ font-weight: 500; color: #6b7280; }}
 .plots {{ display: grid; grid-template-columns: repeat(auto-fit, minmax(480px, 1fr)); gap: 12px; }}
 .plots img {{ width: 100%; border: 1px solid #e3e5ea; border-radius: 6px; }}
 li.alert {{ padding: 3px 0; }} li.divergence b {{ color: #b91c1c; }} li.straggler b {{ color: #b45309; }}

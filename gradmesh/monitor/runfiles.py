@@ -122,8 +122,19 @@ def finite(values) -> list[float]:
     return [v for v in values if _number(v)]
 
 
-NUMBERS = ("step", "loss", "time", "samples_per_s", "imbalance", "staleness_max", "staleness_mean", "wall_s",
-           "final_loss", "world_size", "steps")
+NUMBERS = (
+    "step",
+    "loss",
+    "time",
+    "samples_per_s",
+    "imbalance",
+    "staleness_max",
+    "staleness_mean",
+    "wall_s",
+    "final_loss",
+    "world_size",
+    "steps",
+)
 NUMBER_LISTS = ("peak_memory_bytes", "model_state_bytes")
 
 
@@ -142,12 +153,14 @@ def well_typed(record: dict) -> dict:
     """A metrics row or summary without the values of a type no gradmesh run writes there (a string,
     null or list where a number belongs; a breakdown that is no table of number lists): hand-edited
     or foreign files plot what they can, as if those values were absent, instead of failing."""
+
     def fits(key, value) -> bool:
         if key in NUMBERS:
             return _number(value) and (key != "step" or isinstance(value, int))
         if key in NUMBER_LISTS:
             return _numbers(value)
-        return key != "breakdown" or isinstance(value, dict) and all(map(_numbers, value.values()))
+        return key != "breakdown" or (isinstance(value, dict) and all(map(_numbers, value.values())))
+
     return {key: value for key, value in record.items() if fits(key, value)}
 
 

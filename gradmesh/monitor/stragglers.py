@@ -28,6 +28,7 @@ def imbalance(busy: list[float]) -> float:
 
 def phase_excess(breakdown: dict[str, list[float]], rank: int) -> dict[str, float]:
     """Seconds by which `rank` exceeds the other ranks' median in each phase group."""
+
     def group_time(r: int, group: str) -> float:
         return sum(breakdown[key][r] for key in PHASE_GROUPS[group])
 
@@ -38,14 +39,22 @@ def phase_excess(breakdown: dict[str, list[float]], rank: int) -> dict[str, floa
 def worker_breakdown(workers: dict[str, list[float]]) -> dict[str, list[float]]:
     """A parameter-server job's workers as the detector reads ranks: their busy time (data and
     compute) per sample, since a fast worker takes more shares and a slow one fewer."""
+
     def per_sample(phase: str) -> list[float]:
         return [t / n if n else 0.0 for t, n in zip(workers[phase], workers["samples"])]
 
     data, compute = per_sample("data"), per_sample("compute")
     zeros = [0.0] * len(data)
-    return {"step_s": [d + c for d, c in zip(data, compute)], "comm": zeros, "idle": zeros, "data": data,
-            "forward": compute, "backward": zeros, "optimizer": zeros,
-            "comm_busy_s": [p + q for p, q in zip(per_sample("push"), per_sample("pull"))]}
+    return {
+        "step_s": [d + c for d, c in zip(data, compute)],
+        "comm": zeros,
+        "idle": zeros,
+        "data": data,
+        "forward": compute,
+        "backward": zeros,
+        "optimizer": zeros,
+        "comm_busy_s": [p + q for p, q in zip(per_sample("push"), per_sample("pull"))],
+    }
 
 
 def _seconds(value: float) -> str:
@@ -88,7 +97,14 @@ class StragglerDetector:
             flagged.append({"rank": rank, "phase": phase, "excess": round(excess, 3)})
             if rank not in self.reported:
                 self.reported.add(rank)
-                alerts.append({"step": step, "kind": "straggler", "rank": rank, "phase": phase,
-                               "message": f"rank {rank} is a straggler ({phase}): busy {_seconds(mine)} per {per}, "
-                                          f"{excess:.0%} above the other ranks' median for {self.streak[rank]} steps"})
+                alerts.append(
+                    {
+                        "step": step,
+                        "kind": "straggler",
+                        "rank": rank,
+                        "phase": phase,
+                        "message": f"rank {rank} is a straggler ({phase}): busy {_seconds(mine)} per {per}, "
+                        f"{excess:.0%} above the other ranks' median for {self.streak[rank]} steps",
+                    }
+                )
         return flagged, alerts

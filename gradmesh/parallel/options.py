@@ -2,7 +2,6 @@
 
 from dataclasses import dataclass
 
-
 DEFAULT_BUCKET_MB = 25.0
 """DDP's own default, and where --bucket-mb auto starts."""
 

@@ -13,9 +13,6 @@ a fixed multiple of the micro-batch count with weight-0 samples: the library inf
 and a gradient-norm clip that sums squared norms over the stages.
 """
 
-import copy
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,59 +23,13 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from gradmesh.errors import UsageError
+from gradmesh.parallel.pipeline_profile import profile_units
+from gradmesh.parallel.pipeline_units import CONTAINERS, PIPELINE_UNITS, keep_only, pipeline_units  # noqa: F401
 from gradmesh.plan.partition import UnitCost, balanced_cut, cut_at, stage_load
 from gradmesh.topology import Topology
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
-
-
-def _gpt_units(model: nn.Module) -> list[list[str]]:
-    return [["wte", "wpe", "drop"], *[[f"h.{key}"] for key in model.h._modules], ["ln_f", "lm_head"]]
-
-
-def _sequential_units(attr: str) -> Callable[[nn.Module], list[list[str]]]:
-    def units(model: nn.Module) -> list[list[str]]:
-        container = getattr(model, attr) if attr else model
-        prefix = f"{attr}." if attr else ""
-        return [[f"{prefix}{key}"] for key in container._modules]
-    return units
-
-
-# model class -> the units a stage is made of, in forward order (each a list of submodule names).
-PIPELINE_UNITS = {"GPT": _gpt_units, "MLP": _sequential_units("layers"), "Sequential": _sequential_units("")}
-
-
-def pipeline_units(model: nn.Module) -> list[list[str]]:
-    name = type(model).__name__
-    if name not in PIPELINE_UNITS:
-        raise UsageError(f"no pipeline unit table for {name}; known: {', '.join(PIPELINE_UNITS)} "
-                         "(any nn.Sequential is cut between its children)")
-    return PIPELINE_UNITS[name](model)
-
-
-CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-
-
-def keep_only(module: nn.Module, keep: set[str], prefix: str = "") -> nn.Module:
-    """A shallow copy of `module` holding only the named submodules (the same module objects).
-
-    Children of containers (Sequential, ModuleList, ModuleDict) that are not kept disappear, so
-    iteration skips them while the kept ones keep their names ("h.3"); other children not kept
-    become None, which the model's forward skips.
-    """
-    view = copy.copy(module)
-    children = {}
-    for name, child in module._modules.items():
-        full = prefix + name
-        if full in keep:
-            children[name] = child
-        elif isinstance(child, CONTAINERS) or any(k.startswith(full + ".") for k in keep):
-            children[name] = keep_only(child, keep, full + ".")  # an empty container iterates as nothing
-        elif not isinstance(module, CONTAINERS):
-            children[name] = None
-    view.__dict__["_modules"] = children
-    return view
 
 
 @dataclass
@@ -93,61 +44,6 @@ class PipelineOptions:
     """One micro-batch (inputs, targets) on the device, for profiling."""
     optimizer_slots: int = 2
     """Optimizer state tensors per parameter (AdamW 2, SGD with momentum 1)."""
-
-
-class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes autograd saves for backward (activations; parameters excluded)."""
-
-    def __init__(self, params: set[int]):
-        self.bytes = 0
-
-        def pack(tensor):
-            if tensor.data_ptr() not in params:
-                self.bytes += tensor.numel() * tensor.element_size()
-            return tensor
-
-        super().__init__(pack, lambda tensor: tensor)
-
-
-def _timed(fn) -> float:
-    tic = time.perf_counter()
-    fn()
-    return time.perf_counter() - tic
-
-
-def profile_units(model: nn.Module, units: list[list[str]], example: tuple, criterion, optimizer_slots: int,
-                  in_flight: int, repeats: int = 3) -> list[UnitCost]:
-    """Forward+backward seconds (median of `repeats` after a warm-up) and bytes of each unit."""
-    views = [keep_only(model, set(names)) for names in units]
-    params = {p.data_ptr() for p in model.parameters()}
-    inputs, targets = example
-    seconds = [[] for _ in units]
-    saved = [0] * len(units)
-    for round_ in range(repeats + 1):
-        x, record = inputs, []
-        for k, view in enumerate(views):
-            x_in = x.detach().requires_grad_(x.is_floating_point())
-            counter = _SavedBytes(params)
-            with counter:
-                elapsed = _timed(lambda: record.append(view(x_in)))
-            saved[k], x = counter.bytes, record[-1]
-            record[-1] = (x_in, x, elapsed)
-        grad = None
-        for k in reversed(range(len(views))):
-            x_in, out, forward_s = record[k]
-            if grad is None:
-                backward_s = _timed(lambda: criterion(out, targets).sum().backward())
-            else:
-                backward_s = _timed(lambda: out.backward(grad))
-            grad = x_in.grad
-            if round_:
-                seconds[k].append(forward_s + backward_s)
-        model.zero_grad(set_to_none=True)
-    costs = []
-    for names, view, times, activations in zip(units, views, seconds, saved):
-        weights = sum(p.numel() * p.element_size() for p in view.parameters())
-        costs.append(UnitCost(names[0], statistics.median(times), weights * (2 + optimizer_slots) + activations * in_flight))
-    return costs
 
 
 def _clip_over_stages(parameters: list[nn.Parameter], max_norm: float, group) -> None:
@@ -171,12 +67,16 @@ class Pipeline:
         in_flight = options.microbatches if options.schedule == "gpipe" else min(options.microbatches, self.n_stages)
         costs = self._measured_costs(options, in_flight, topology)
         names = [u[0] for u in self.units]
-        self.starts = cut_at(names, options.split, self.n_stages) if options.split else balanced_cut(costs, self.n_stages)
+        self.starts = (
+            cut_at(names, options.split, self.n_stages) if options.split else balanced_cut(costs, self.n_stages)
+        )
         self.plan = self._describe(costs, pp)
         # Interleaved schedules loop: rank r holds stages r, r + pp, ...
         stage_ids = [self.pp_rank + k * pp for k in range(per_rank)]
-        self.stages = [PipelineStage(keep_only(self.full, self._names(s)), s, self.n_stages, topology.device,
-                                     group=self.group) for s in stage_ids]
+        self.stages = [
+            PipelineStage(keep_only(self.full, self._names(s)), s, self.n_stages, topology.device, group=self.group)
+            for s in stage_ids
+        ]
         self.local = keep_only(self.full, set().union(*(self._names(s) for s in stage_ids)))
         self.local.__dict__["pipeline"] = self  # found again by `pipeline_of` (the pipeline engine)
         self.is_first = any(stage.is_first for stage in self.stages)
@@ -190,26 +90,39 @@ class Pipeline:
         figures = torch.zeros(len(self.units), 2, dtype=torch.float64, device=topology.device)
         if topology.is_main:
             with torch.random.fork_rng(devices=[]):  # rank 0 alone must not move the shared RNG
-                costs = profile_units(self.full, self.units, options.example, options.criterion,
-                                      options.optimizer_slots, in_flight)
+                costs = profile_units(
+                    self.full, self.units, options.example, options.criterion, options.optimizer_slots, in_flight
+                )
             figures.copy_(torch.tensor([[c.seconds, c.bytes] for c in costs], dtype=torch.float64))
         dist.broadcast(figures, src=0, group=topology.group("world"))
         return [UnitCost(names[0], s, b) for names, (s, b) in zip(self.units, figures.tolist())]
 
     def _names(self, stage: int) -> set[str]:
         bounds = self.starts + [len(self.units)]
-        return {name for unit in self.units[bounds[stage]:bounds[stage + 1]] for name in unit}
+        return {name for unit in self.units[bounds[stage] : bounds[stage + 1]] for name in unit}
 
     def _describe(self, costs: list[UnitCost], pp: int) -> dict:
         bounds = self.starts + [len(self.units)]
         loads = stage_load(costs, self.starts)
-        stages = [{"stage": s, "rank": s % pp, "units": [c.name for c in costs[a:b]],
-                   "seconds": sum(c.seconds for c in costs[a:b]), "bytes": sum(c.bytes for c in costs[a:b]),
-                   "load": loads[s]} for s, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-        return {"schedule": self.options.schedule, "microbatches": self.options.microbatches,
-                "cut": "manual" if self.options.split else "balanced",
-                "units": [{"name": c.name, "seconds": c.seconds, "bytes": c.bytes} for c in costs],
-                "stages": stages, "bottleneck": max(loads)}
+        stages = [
+            {
+                "stage": s,
+                "rank": s % pp,
+                "units": [c.name for c in costs[a:b]],
+                "seconds": sum(c.seconds for c in costs[a:b]),
+                "bytes": sum(c.bytes for c in costs[a:b]),
+                "load": loads[s],
+            }
+            for s, (a, b) in enumerate(zip(bounds, bounds[1:]))
+        ]
+        return {
+            "schedule": self.options.schedule,
+            "microbatches": self.options.microbatches,
+            "cut": "manual" if self.options.split else "balanced",
+            "units": [{"name": c.name, "seconds": c.seconds, "bytes": c.bytes} for c in costs],
+            "stages": stages,
+            "bottleneck": max(loads),
+        }
 
     def _loss(self, output: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # The target handed to the schedule is each sample's row in the padded share; the real
@@ -246,8 +159,10 @@ def apply_pipeline(model: nn.Module, topology: Topology, options) -> nn.Module:
     """This rank's part of the model (parameters named as in the plain model); `options` is an
     ApplyOptions whose `pipeline` holds the PipelineOptions."""
     if options is None or options.pipeline is None:
-        raise UsageError("pipeline parallelism runs through gradmesh.Trainer(..., criterion=...): "
-                         "it needs the loss split from the model as criterion(output, target)")
+        raise UsageError(
+            "pipeline parallelism runs through gradmesh.Trainer(..., criterion=...): "
+            "it needs the loss split from the model as criterion(output, target)"
+        )
     return Pipeline(model, topology, options.pipeline).local
 
 
@@ -256,34 +171,55 @@ def pipeline_of(model: nn.Module) -> "Pipeline":
     return model.__dict__["pipeline"]
 
 
-def check_pipeline(model: nn.Module, *, schedule: str, microbatches: int, split: tuple[str, ...], pp: int,
-                   local_batch: int, grad_accum: int) -> None:
+def check_pipeline(
+    model: nn.Module,
+    *,
+    schedule: str,
+    microbatches: int,
+    split: tuple[str, ...],
+    pp: int,
+    local_batch: int,
+    grad_accum: int,
+) -> None:
     """Before launch (on a meta-device model): the cut and the schedule can work."""
     units = [u[0] for u in pipeline_units(model)]
     per_rank = STAGES_PER_RANK[schedule]
     stages = pp * per_rank
     if stages > len(units):
         how = f"pp={pp} x {per_rank} stages per rank ({schedule})" if per_rank > 1 else f"pp={pp}"
-        raise UsageError(f"a pipeline of {stages} stages ({how}) needs at least {stages} layers to cut, but the "
-                         f"model has {len(units)} ({', '.join(units)}); use pp <= {len(units) // per_rank}")
-    if schedule in ("1f1b",) and microbatches < stages:
-        raise UsageError(f"--microbatches {microbatches} is fewer than the {stages} pipeline stages, which "
-                         f"{schedule} needs; use --microbatches >= {stages} (or --pp-schedule gpipe)")
-    rounds = max(1, microbatches // pp)
-    if schedule == "interleaved" and microbatches % rounds:
-        raise UsageError(f"--microbatches {microbatches} with interleaved at pp={pp} must be a multiple of "
-                         f"{rounds}; use a multiple of {pp}")
-    if microbatches > local_batch:
-        raise UsageError(f"--microbatches {microbatches} exceeds the {local_batch} samples each pipeline gets per "
-                         "step (global batch / data-parallel degree); use fewer micro-batches or a larger batch")
+        raise UsageError(
+            f"a pipeline of {stages} stages ({how}) needs at least {stages} layers to cut, but the "
+            f"model has {len(units)} ({', '.join(units)}); use pp <= {len(units) // per_rank}"
+        )
+    _check_microbatches(schedule, microbatches, stages, pp, local_batch)
     if grad_accum != 1:
-        raise UsageError("--grad-accum must be 1 with pipeline parallelism: the pipeline cuts each batch into "
-                         "--microbatches instead")
+        raise UsageError(
+            "--grad-accum must be 1 with pipeline parallelism: the pipeline cuts each batch into --microbatches instead"
+        )
     if split:
         try:
             cut_at(units, split, stages)
         except ValueError as err:
             raise UsageError(f"--pp-split: {err}") from None
+
+
+def _check_microbatches(schedule: str, microbatches: int, stages: int, pp: int, local_batch: int) -> None:
+    if schedule in ("1f1b",) and microbatches < stages:
+        raise UsageError(
+            f"--microbatches {microbatches} is fewer than the {stages} pipeline stages, which "
+            f"{schedule} needs; use --microbatches >= {stages} (or --pp-schedule gpipe)"
+        )
+    rounds = max(1, microbatches // pp)
+    if schedule == "interleaved" and microbatches % rounds:
+        raise UsageError(
+            f"--microbatches {microbatches} with interleaved at pp={pp} must be a multiple of "
+            f"{rounds}; use a multiple of {pp}"
+        )
+    if microbatches > local_batch:
+        raise UsageError(
+            f"--microbatches {microbatches} exceeds the {local_batch} samples each pipeline gets per "
+            "step (global batch / data-parallel degree); use fewer micro-batches or a larger batch"
+        )
 
 
 def padded_rows(local_batch: int, microbatches: int) -> int:

@@ -59,8 +59,10 @@ class Layout:
             return
         rows = Rows(self.shapes)
         if servers > rows.count:
-            raise UsageError(f"--ps-servers {servers}: the model has {rows.count} rows of parameters in all, so at "
-                             f"most {rows.count} servers can each hold a share; give --ps-servers at most {rows.count}")
+            raise UsageError(
+                f"--ps-servers {servers}: the model has {rows.count} rows of parameters in all, so at "
+                f"most {rows.count} servers can each hold a share; give --ps-servers at most {rows.count}"
+            )
         self.bounds = _balanced(rows, servers)
 
     def shard(self, server: int) -> tuple[int, int]:
@@ -152,8 +154,10 @@ def sparse_tables(model: nn.Module) -> list[tuple[str, nn.Embedding]]:
     tables = list(declared())
     for table in tables:
         if not isinstance(table, nn.Embedding) or id(table) not in names:
-            raise UsageError(f"{type(model).__name__}.sparse_tables() listed {type(table).__name__}, which is not "
-                             "one of the model's own nn.Embedding modules; list only those")
+            raise UsageError(
+                f"{type(model).__name__}.sparse_tables() listed {type(table).__name__}, which is not "
+                "one of the model's own nn.Embedding modules; list only those"
+            )
     return [(names[id(table)], table) for table in tables]
 
 
@@ -178,8 +182,9 @@ class TableSpace:
         self.servers, self.offsets = servers, [0]
         for count in rows:
             self.offsets.append(self.offsets[-1] + count)
-        self.starts = torch.tensor([self.offsets[t] + table_rows(count, servers, s)[0]
-                                    for t, count in enumerate(rows) for s in range(servers)])
+        self.starts = torch.tensor(
+            [self.offsets[t] + table_rows(count, servers, s)[0] for t, count in enumerate(rows) for s in range(servers)]
+        )
 
     def ranges(self, ids: torch.Tensor) -> torch.Tensor:
         """The range (t * S + s) each global id falls in."""
@@ -201,36 +206,50 @@ def check_ps(cfg, mesh: dict[str, int], meta_model, hybrid: bool = False) -> Non
     hybrid: a model with sparse tables, and tables in sync or ssp:K mode."""
     world, servers, name = mesh["ps"], cfg.ps.servers, cfg.train.strategy
     if cfg.train.mesh:
-        raise UsageError(f"--strategy {name} does not combine with --mesh {cfg.train.mesh!r} (its ranks are servers "
-                         "and workers, not mesh axes); leave --mesh out")
+        raise UsageError(
+            f"--strategy {name} does not combine with --mesh {cfg.train.mesh!r} (its ranks are servers "
+            "and workers, not mesh axes); leave --mesh out"
+        )
     if not 1 <= servers < world:
-        raise UsageError(f"--ps-servers {servers} leaves {world - servers} worker(s) of {world} ranks: give at least "
-                         f"one server and one worker (--ps-servers 1..{world - 1}, or more ranks with --nproc)")
+        raise UsageError(
+            f"--ps-servers {servers} leaves {world - servers} worker(s) of {world} ranks: give at least "
+            f"one server and one worker (--ps-servers 1..{world - 1}, or more ranks with --nproc)"
+        )
     workers, accum = world - servers, cfg.train.grad_accum
     if cfg.train.global_batch_size % (workers * accum):
-        raise UsageError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by workers x "
-                         f"grad_accum = {workers} x {accum}; use a multiple of {workers * accum}")
+        raise UsageError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by workers x "
+            f"grad_accum = {workers} x {accum}; use a multiple of {workers * accum}"
+        )
     per_worker = cfg.train.global_batch_size // workers
     if cfg.ps.shares > per_worker and cfg.ps.bound != 0 and not hybrid:  # sync and hybrid cut no shares
-        raise UsageError(f"--ps-shares {cfg.ps.shares} cuts each worker's {per_worker} samples per step into shares of "
-                         f"less than one sample; give --ps-shares 1..{per_worker} (at most global_batch_size / workers)")
+        raise UsageError(
+            f"--ps-shares {cfg.ps.shares} cuts each worker's {per_worker} samples per step into shares of "
+            f"less than one sample; give --ps-shares 1..{per_worker} (at most global_batch_size / workers)"
+        )
     model = meta_model()
     if hybrid:
         _check_hybrid(cfg, model)
     for table_name, table in sparse_tables(model):
         if table.num_embeddings < servers:
-            raise UsageError(f"--ps-servers {servers}: table {table_name} has {table.num_embeddings} rows, fewer than "
-                             f"the servers that share it; give --ps-servers at most {table.num_embeddings}")
+            raise UsageError(
+                f"--ps-servers {servers}: table {table_name} has {table.num_embeddings} rows, fewer than "
+                f"the servers that share it; give --ps-servers at most {table.num_embeddings}"
+            )
     layout_of(model, servers, on_servers=not hybrid)
 
 
 def _check_hybrid(cfg, model: nn.Module) -> None:
     if not sparse_tables(model):
-        raise UsageError(f"--strategy hybrid puts a model's sparse embedding tables on the servers, and --model "
-                         f"{cfg.model.name} has none; use it with --model recsys, or use ddp or ps")
+        raise UsageError(
+            f"--strategy hybrid puts a model's sparse embedding tables on the servers, and --model "
+            f"{cfg.model.name} has none; use it with --model recsys, or use ddp or ps"
+        )
     if cfg.ps.mode == "async":
-        raise UsageError("--strategy hybrid keeps the dense part in step by all-reduce, so its tables train in "
-                         "--ps-mode sync or ssp:K, not async; give sync or ssp:K (e.g. ssp:1)")
+        raise UsageError(
+            "--strategy hybrid keeps the dense part in step by all-reduce, so its tables train in "
+            "--ps-mode sync or ssp:K, not async; give sync or ssp:K (e.g. ssp:1)"
+        )
 
 
 def server_ranks(cfg, world: int) -> list[int]:
@@ -250,4 +269,3 @@ def to_device(model: nn.Module, device) -> nn.Module:
     """`model.to(device)`, leaving tensors on the meta device there (sparse tables the servers
     make and hold: no rank allocates them whole)."""
     return model._apply(lambda t: t if t.is_meta else t.to(device))
-

@@ -14,95 +14,11 @@ Adding a strategy: write its apply function (and engine, if no existing family f
 row here, and the CLI, checks, checkpoints and formulas pick it up.
 """
 
-import importlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from gradmesh.errors import UsageError
 from gradmesh.mesh import DATA_AXES, parse_mesh
-
-FP32 = 4
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    """What the formulas need to know of a model and its step, per data-parallel replica."""
-
-    params: int
-    """P: parameter count."""
-    slots: int = 2
-    """Optimizer state tensors per parameter (AdamW 2, SGD with momentum 1, plain SGD 0)."""
-    tp_params: int = 0
-    """Parameters the tensor-parallel plan splits (the rest is replicated)."""
-    layers: int = 1
-    """Transformer blocks (tensor parallel all-reduces activations in each)."""
-    activation_bytes: int = 0
-    """Bytes of one block-boundary activation of this replica's share of a global batch."""
-
-
-def _ring(n: int) -> float:
-    """The share of a buffer each rank sends in a ring reduce-scatter or all-gather."""
-    return (n - 1) / n
-
-
-def _all_bytes(size: ModelSize) -> float:
-    return FP32 * size.params * (2 + size.slots)
-
-
-@dataclass(frozen=True)
-class Strategy:
-    name: str
-    axis: str
-    """The mesh axis it spreads over when it runs alone."""
-    engine: str
-    """Step engine family (`gradmesh.engine.ENGINES`): collective, pipeline or ps."""
-    apply: str
-    """(model, topology, options) -> model: this strategy applied to a plain model."""
-    summary: str
-    """One line for --help and the docs."""
-    state_bytes: Callable[[ModelSize, int], float]
-    """Bytes of parameters, gradients and optimizer state one rank holds at degree N (fp32)."""
-    wire_bytes: Callable[[ModelSize, int], float]
-    """Bytes one rank sends per optimizer step at degree N (ring collectives)."""
-    roles: tuple[str, ...] = ("worker",)
-    sync: str = "gradmesh.parallel.data:ddp_sync"
-    """(model, last_micro_batch) -> context around one micro-batch's backward."""
-    optimizer: str = "gradmesh.parallel.state:plain_optimizer"
-    """(params, topology, optimizer_class, **kwargs) -> optimizer."""
-    optimizer_state: str = "gradmesh.parallel.state:named_optimizer_state"
-    """(model, optimizer, for_load) -> {"state": {parameter name: {name: tensor}}} for checkpoints."""
-    load_optimizer_state: str = "gradmesh.parallel.state:install_optimizer_state"
-    checks: tuple[Callable, ...] = ()
-    """Pre-launch checks: check(cfg, mesh, meta_model) raises UsageError."""
-    splits_model: bool = False
-    """Each rank holds a different part of the model (tensor or pipeline parallel)."""
-    beside_model_parallel: tuple[str, str] | None = None
-    """(apply, sync) used instead when the mesh also splits the model (DDP takes no DTensor or stage)."""
-    replicated: bool = False
-    """Every rank holds identical parameters: the replica check applies."""
-    same_work: bool = True
-    """Every rank does the same work per step, so a slow one is a straggler."""
-    inplace_recovery: bool = False
-    """A lost rank holds nothing the others lack: survivors can go on in place."""
-    critical: str | None = None
-    """(cfg, world) -> ranks whose loss the survivors cannot absorb in place (a parameter
-    server's shard): under in-place recovery every rank then restarts from the last checkpoint."""
-    step_breakdown: bool = True
-    """The monitor's per-phase step breakdown applies (its ranks step together)."""
-    compressions: tuple[str, ...] = ("fp16", "bf16", "powersgd", "topk", "auto")
-    """The --compression methods its data-parallel gradients can travel by: all of them through
-    the job's reducer (per-parameter parts for error feedback); fsdp reduce-scatters in FSDP2 at
-    its reduce dtype (fp16, bf16); hybrid all-reduces bucket slices without parameter parts;
-    ps pushes through its own wire."""
-    dense_on_workers: bool = False
-    """Parameter-server family: the dense parameters are replicated on the workers and averaged
-    among them by all-reduce; the servers hold only the sparse tables (hybrid)."""
-
-
-def load(ref: str) -> Callable:
-    """'module:function' -> the function (imported on first use)."""
-    module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(module), name)
+from gradmesh.parallel.strategy import FP32, ModelSize, Strategy, _all_bytes, _ring, _tp_state, load
 
 
 def _check_tp(cfg, mesh: dict[str, int], meta_model) -> None:
@@ -115,9 +31,15 @@ def _check_pipeline(cfg, mesh: dict[str, int], meta_model) -> None:
     from gradmesh.parallel.pipeline import check_pipeline
 
     train = cfg.train
-    check_pipeline(meta_model(), schedule=train.pp_schedule, microbatches=train.microbatches,
-                   split=train.split_points, pp=mesh["pp"], grad_accum=train.grad_accum,
-                   local_batch=train.global_batch_size // mesh.get("dp", 1))
+    check_pipeline(
+        meta_model(),
+        schedule=train.pp_schedule,
+        microbatches=train.microbatches,
+        split=train.split_points,
+        pp=mesh["pp"],
+        grad_accum=train.grad_accum,
+        local_batch=train.global_batch_size // mesh.get("dp", 1),
+    )
 
 
 def _check_ps(cfg, mesh: dict[str, int], meta_model) -> None:
@@ -132,62 +54,108 @@ def _check_hybrid(cfg, mesh: dict[str, int], meta_model) -> None:
     check_ps(cfg, mesh, meta_model, hybrid=True)
 
 
-def _tp_state(size: ModelSize, n: int) -> float:
-    return FP32 * (2 + size.slots) * (size.params - size.tp_params + size.tp_params / n)
-
-
 ROWS = (
-    Strategy("ddp", "dp", "collective", "gradmesh.parallel.data:apply_ddp",
-             "data parallel: replicas, gradients averaged by all-reduce (torch DDP)",
-             state_bytes=lambda size, n: _all_bytes(size),
-             wire_bytes=lambda size, n: 2 * _ring(n) * FP32 * size.params,
-             beside_model_parallel=("gradmesh.parallel.data:apply_local", "gradmesh.parallel.data:flat_average_sync"),
-             replicated=True, inplace_recovery=True),
-    Strategy("zero1", "dp", "collective", "gradmesh.parallel.data:apply_ddp",
-             "ZeRO-1: data parallel with the optimizer state sharded (ZeroRedundancyOptimizer)",
-             state_bytes=lambda size, n: FP32 * size.params * (2 + size.slots / n),
-             wire_bytes=lambda size, n: 3 * _ring(n) * FP32 * size.params,
-             optimizer="gradmesh.parallel.sharded:zero1_optimizer",
-             optimizer_state="gradmesh.parallel.sharded:zero1_state",
-             load_optimizer_state="gradmesh.parallel.sharded:zero1_loaded",
-             replicated=True),
-    Strategy("fsdp", "fsdp", "collective", "gradmesh.parallel.sharded:apply_fsdp",
-             "fully sharded: parameters, gradients and optimizer state split (FSDP2)",
-             state_bytes=lambda size, n: _all_bytes(size) / n,
-             wire_bytes=lambda size, n: 3 * _ring(n) * FP32 * size.params,
-             sync="gradmesh.parallel.sharded:fsdp_sync", compressions=("fp16", "bf16")),
-    Strategy("tp", "tp", "collective", "gradmesh.parallel.tensor:apply_tp",
-             "tensor parallel: attention heads and MLP columns split (DTensor plans)",
-             state_bytes=_tp_state,
-             wire_bytes=lambda size, n: 4 * size.layers * 2 * _ring(n) * size.activation_bytes,
-             sync="gradmesh.parallel.data:no_sync", checks=(_check_tp,), splits_model=True),
-    Strategy("pipeline", "pp", "pipeline", "gradmesh.parallel.pipeline:apply_pipeline",
-             "pipeline parallel: stages of layers, micro-batches in flight (gpipe, 1f1b, interleaved)",
-             state_bytes=lambda size, n: _all_bytes(size) / n,
-             wire_bytes=lambda size, n: 2 * _ring(n) * size.activation_bytes,
-             sync="gradmesh.parallel.data:no_sync", checks=(_check_pipeline,), splits_model=True,
-             same_work=False),
+    Strategy(
+        "ddp",
+        "dp",
+        "collective",
+        "gradmesh.parallel.data:apply_ddp",
+        "data parallel: replicas, gradients averaged by all-reduce (torch DDP)",
+        state_bytes=lambda size, n: _all_bytes(size),
+        wire_bytes=lambda size, n: 2 * _ring(n) * FP32 * size.params,
+        beside_model_parallel=("gradmesh.parallel.data:apply_local", "gradmesh.parallel.data:flat_average_sync"),
+        replicated=True,
+        inplace_recovery=True,
+    ),
+    Strategy(
+        "zero1",
+        "dp",
+        "collective",
+        "gradmesh.parallel.data:apply_ddp",
+        "ZeRO-1: data parallel with the optimizer state sharded (ZeroRedundancyOptimizer)",
+        state_bytes=lambda size, n: FP32 * size.params * (2 + size.slots / n),
+        wire_bytes=lambda size, n: 3 * _ring(n) * FP32 * size.params,
+        optimizer="gradmesh.parallel.sharded:zero1_optimizer",
+        optimizer_state="gradmesh.parallel.sharded:zero1_state",
+        load_optimizer_state="gradmesh.parallel.sharded:zero1_loaded",
+        replicated=True,
+    ),
+    Strategy(
+        "fsdp",
+        "fsdp",
+        "collective",
+        "gradmesh.parallel.sharded:apply_fsdp",
+        "fully sharded: parameters, gradients and optimizer state split (FSDP2)",
+        state_bytes=lambda size, n: _all_bytes(size) / n,
+        wire_bytes=lambda size, n: 3 * _ring(n) * FP32 * size.params,
+        sync="gradmesh.parallel.sharded:fsdp_sync",
+        compressions=("fp16", "bf16"),
+    ),
+    Strategy(
+        "tp",
+        "tp",
+        "collective",
+        "gradmesh.parallel.tensor:apply_tp",
+        "tensor parallel: attention heads and MLP columns split (DTensor plans)",
+        state_bytes=_tp_state,
+        wire_bytes=lambda size, n: 4 * size.layers * 2 * _ring(n) * size.activation_bytes,
+        sync="gradmesh.parallel.data:no_sync",
+        checks=(_check_tp,),
+        splits_model=True,
+    ),
+    Strategy(
+        "pipeline",
+        "pp",
+        "pipeline",
+        "gradmesh.parallel.pipeline:apply_pipeline",
+        "pipeline parallel: stages of layers, micro-batches in flight (gpipe, 1f1b, interleaved)",
+        state_bytes=lambda size, n: _all_bytes(size) / n,
+        wire_bytes=lambda size, n: 2 * _ring(n) * size.activation_bytes,
+        sync="gradmesh.parallel.data:no_sync",
+        checks=(_check_pipeline,),
+        splits_model=True,
+        same_work=False,
+    ),
     # Workers hold the whole model and its gradient; a server holds its shard with the optimizer
     # state (state_bytes is a worker's, the larger at S >= 1). Each worker pushes its gradient
     # and pulls the parameters once per step: 2 x 4P bytes, whatever the number of servers.
-    Strategy("ps", "ps", "ps", "gradmesh.parallel.ps:apply_ps",
-             "parameter servers: servers hold the parameters sharded, workers push gradients and pull "
-             "parameters (sync, async, ssp:K)",
-             state_bytes=lambda size, n: FP32 * size.params * 2,
-             wire_bytes=lambda size, n: 2 * FP32 * size.params,
-             roles=("worker", "server"), sync="gradmesh.parallel.data:no_sync", checks=(_check_ps,),
-             same_work=False, step_breakdown=False, inplace_recovery=True, compressions=("fp16", "bf16"),
-             critical="gradmesh.parallel.ps:server_ranks"),
+    Strategy(
+        "ps",
+        "ps",
+        "ps",
+        "gradmesh.parallel.ps:apply_ps",
+        "parameter servers: servers hold the parameters sharded, workers push gradients and pull "
+        "parameters (sync, async, ssp:K)",
+        state_bytes=lambda size, n: FP32 * size.params * 2,
+        wire_bytes=lambda size, n: 2 * FP32 * size.params,
+        roles=("worker", "server"),
+        sync="gradmesh.parallel.data:no_sync",
+        checks=(_check_ps,),
+        same_work=False,
+        step_breakdown=False,
+        inplace_recovery=True,
+        compressions=("fp16", "bf16"),
+        critical="gradmesh.parallel.ps:server_ranks",
+    ),
     # The dense part as ddp keeps it, among the W workers; the tables' rows move as under ps
     # (counted apart, per row touched). In-place recovery would have to regroup the workers'
     # all-reduce mid-segment: a lost rank restarts the job from the last checkpoint instead.
-    Strategy("hybrid", "ps", "ps", "gradmesh.parallel.ps:apply_ps",
-             "hybrid: sparse tables on parameter servers (sync or ssp:K), the dense network all-reduced "
-             "among the workers",
-             state_bytes=lambda size, n: _all_bytes(size),
-             wire_bytes=lambda size, n: FP32 * size.params,
-             roles=("worker", "server"), sync="gradmesh.parallel.data:no_sync", checks=(_check_hybrid,),
-             same_work=False, step_breakdown=False, dense_on_workers=True, compressions=("fp16", "bf16")),
+    Strategy(
+        "hybrid",
+        "ps",
+        "ps",
+        "gradmesh.parallel.ps:apply_ps",
+        "hybrid: sparse tables on parameter servers (sync or ssp:K), the dense network all-reduced among the workers",
+        state_bytes=lambda size, n: _all_bytes(size),
+        wire_bytes=lambda size, n: FP32 * size.params,
+        roles=("worker", "server"),
+        sync="gradmesh.parallel.data:no_sync",
+        checks=(_check_hybrid,),
+        same_work=False,
+        step_breakdown=False,
+        dense_on_workers=True,
+        compressions=("fp16", "bf16"),
+    ),
 )
 STRATEGIES = {row.name: row for row in ROWS}
 
@@ -196,13 +164,16 @@ def critical_ranks(cfg, world: int) -> frozenset[int]:
     """Ranks of `cfg`'s strategy that in-place recovery cannot do without (`Strategy.critical`)."""
     row = STRATEGIES.get(cfg.train.strategy)
     return frozenset(load(row.critical)(cfg, world)) if row and row.critical else frozenset()
+
+
 AXIS_STRATEGY = {"dp": "ddp", "fsdp": "fsdp", "tp": "tp", "pp": "pipeline", "ps": "ps"}
 """The strategy each mesh axis stands for when several axes compose."""
 COMPOSITION_ORDER = ("tp", "pp", "fsdp", "dp")
 """Tensor parallel rewrites modules, the pipeline cuts the rewritten model, data parallelism or
 sharding then spreads whatever each rank holds."""
-SUPPORTED_MESHES = tuple(frozenset(axes) for axes in (
-    {"dp"}, {"fsdp"}, {"tp"}, {"pp"}, {"dp", "tp"}, {"fsdp", "tp"}, {"dp", "pp"}))
+SUPPORTED_MESHES = tuple(
+    frozenset(axes) for axes in ({"dp"}, {"fsdp"}, {"tp"}, {"pp"}, {"dp", "tp"}, {"fsdp", "tp"}, {"dp", "pp"})
+)
 
 
 def get(name: str) -> Strategy:
@@ -251,7 +222,9 @@ class Plan:
 
     @property
     def compressions(self) -> tuple[str, ...]:
-        return tuple(method for method in self.rows[0].compressions if all(method in row.compressions for row in self.rows))
+        return tuple(
+            method for method in self.rows[0].compressions if all(method in row.compressions for row in self.rows)
+        )
 
     @property
     def state_owner(self) -> Strategy:
@@ -289,10 +262,12 @@ def resolve(name: str, mesh: dict[str, int]) -> Plan:
         # fsdp and ps named on it had run as ddp.
         return Plan(row.name, {row.axis: sum(mesh.values())}, (row,))
     if row.axis not in COMPOSITION_ORDER:
-        raise UsageError(f"--strategy {name} does not combine with other mesh axes ({', '.join(mesh)}); leave --mesh out")
+        raise UsageError(
+            f"--strategy {name} does not combine with other mesh axes ({', '.join(mesh)}); leave --mesh out"
+        )
     rows = tuple(STRATEGIES[AXIS_STRATEGY[axis]] for axis in COMPOSITION_ORDER if axis in mesh)
     label = rows[0].name if len(rows) == 1 else ",".join(f"{axis}={size}" for axis, size in mesh.items())
     return Plan(label, dict(mesh), rows)
 
 
-__all__ = ["Strategy", "Plan", "ModelSize", "ROWS", "STRATEGIES", "get", "resolve", "mesh_for", "load"]
+__all__ = ["ROWS", "STRATEGIES", "ModelSize", "Plan", "Strategy", "get", "load", "mesh_for", "resolve"]

@@ -64,8 +64,9 @@ def fsdp_sync(model: nn.Module, topology: Topology, options: ApplyOptions, last_
 
 
 def zero1_optimizer(params, topology: Topology, optimizer_class, **kwargs) -> ZeroRedundancyOptimizer:
-    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class,
-                                   process_group=topology.group(data_axis(topology)), **kwargs)
+    return ZeroRedundancyOptimizer(
+        params, optimizer_class=optimizer_class, process_group=topology.group(data_axis(topology)), **kwargs
+    )
 
 
 def zero1_state(model: nn.Module, zero: ZeroRedundancyOptimizer, for_load: bool = False) -> dict:

@@ -85,5 +85,7 @@ def cut_at(names: Sequence[str], split_points: Sequence[str], stages: int) -> li
             raise ValueError(f"split point {point!r} is not a unit of the model; units: {', '.join(names)}")
         starts.append(list(names).index(point))
     if any(b <= a for a, b in zip(starts, starts[1:])):
-        raise ValueError(f"split points {', '.join(split_points)} must be in model order, after {names[0]!r}, each once")
+        raise ValueError(
+            f"split points {', '.join(split_points)} must be in model order, after {names[0]!r}, each once"
+        )
     return starts

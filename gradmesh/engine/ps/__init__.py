@@ -21,17 +21,17 @@ from gradmesh.comm.ps_wire import Kind, Message, Wire
 from gradmesh.data import GlobalBatch
 from gradmesh.engine.base import Job, StepOutcome
 from gradmesh.engine.ps.hybrid import DenseReplica
+from gradmesh.engine.ps.lookup import WorkerTables
 from gradmesh.engine.ps.predict import WeightPrediction
+from gradmesh.engine.ps.report import Done, Lookout, SegmentReport
 from gradmesh.engine.ps.segment import Dispatcher, Segment
 from gradmesh.engine.ps.server import Server
 from gradmesh.engine.ps.slots import OptimizerSlots
-from gradmesh.engine.ps.report import Done, Lookout, SegmentReport
-from gradmesh.engine.ps.lookup import WorkerTables
 from gradmesh.engine.ps.tables import TableShard
 from gradmesh.engine.ps.whole import WholeTables
 from gradmesh.engine.ps.worker import Worker, flat_views
-from gradmesh.parallel.ps import Roles, dense_parameters, layout_of, sparse_tables, to_device
 from gradmesh.parallel.options import DEFAULT_BUCKET_MB
+from gradmesh.parallel.ps import Roles, dense_parameters, layout_of, sparse_tables, to_device
 from gradmesh.parallel.registry import Plan
 from gradmesh.topology import Topology
 
@@ -59,25 +59,45 @@ class ParameterServerEngine(SegmentReport):
         servers_group = self._connect(topology)
         self.server = self.worker = self.optimizer = None
         if is_server:
-            index = topology.rank - self.roles.workers
-            shards = [TableShard(table, self.roles.servers, index, lambda low, high, t=t: model.init_rows(t, low, high),
-                                 topology.device, name) for t, (name, table) in enumerate(self.sparse)]
-            self.server = Server(index, self.layout.shard(index), self.layout.buckets(index, bucket), self.flat,
-                                 self.wire, job, self.bound, servers_group, shards, self.hybrid)
+            self.server = self._build_server(topology, model, job, bucket, servers_group)
             self.optimizer = self.server.optimizer
         else:
-            tables = (WorkerTables(model, self.sparse, self.roles, self.wire, PushCodec(job.train.compression))
-                      if self.sparse else None)
-            replica = DenseReplica(self.flat, grads, self.workers_group, job, self.bound == 0) if self.hybrid else None
-            self.worker = Worker(self.roles, self.layout, model, [p for _, p in self.dense], self.flat, grads,
-                                 self.wire, job, self.bound, bucket, topology.device, tables, replica)
-            if self.bound != 0 and not self.hybrid and job.ps.predict:
-                shards = [self.layout.shard(s) for s in range(self.roles.servers)]
-                self.worker.prediction = WeightPrediction(self.flat, shards)
-            self.optimizer = replica.optimizer if replica else None
+            self.worker = self._build_worker(topology, model, job, bucket, grads)
+            self.optimizer = self.worker.replica.optimizer if self.worker.replica else None
         self.whole = WholeTables(self.sparse, self.roles, topology.device)
         self.whole.release()  # no rank holds a whole table while training
         self.positioned = False
+
+    def _build_server(self, topology: Topology, model: nn.Module, job: Job, bucket: int, servers_group) -> Server:
+        index = topology.rank - self.roles.workers
+        shards = [
+            TableShard(
+                table,
+                self.roles.servers,
+                index,
+                lambda low, high, t=t: model.init_rows(t, low, high),
+                topology.device,
+                name,
+            )
+            for t, (name, table) in enumerate(self.sparse)
+        ]
+        shard, buckets = self.layout.shard(index), self.layout.buckets(index, bucket)
+        return Server(index, shard, buckets, self.flat, self.wire, job, self.bound, servers_group, shards, self.hybrid)
+
+    def _build_worker(self, topology: Topology, model: nn.Module, job: Job, bucket: int, grads) -> Worker:
+        tables = None
+        if self.sparse:
+            tables = WorkerTables(model, self.sparse, self.roles, self.wire, PushCodec(job.train.compression))
+        replica = DenseReplica(self.flat, grads, self.workers_group, job, self.bound == 0) if self.hybrid else None
+        dense = [p for _, p in self.dense]
+        worker = Worker(
+            self.roles, self.layout, model, dense, self.flat, grads, self.wire, job, self.bound, bucket,
+            topology.device, tables, replica,
+        )  # fmt: skip
+        if self.bound != 0 and not self.hybrid and job.ps.predict:
+            shards = [self.layout.shard(s) for s in range(self.roles.servers)]
+            worker.prediction = WeightPrediction(self.flat, shards)
+        return worker
 
     def _connect(self, topology: Topology):
         """The wire and the identities of the group's ranks; the servers' own group."""
@@ -221,8 +241,9 @@ class ParameterServerEngine(SegmentReport):
             return {"model": self._model_state(tables=bool(self.server)), "optim": optim}
         self.refresh()
         holder = self.server or self.worker.replica
-        slots = self.slots.gather(holder.optimizer.state.get(holder.param, {}) if holder else None,
-                                  self.dense_pieces(), self.wire, self.flat)
+        slots = self.slots.gather(
+            holder.optimizer.state.get(holder.param, {}) if holder else None, self.dense_pieces(), self.wire, self.flat
+        )
         optim = self.slots.named(slots, names, self.layout)
         # the tables whole on the first server alone: its part of the checkpoint holds them
         first, me, shards = self.roles.server_rank(0), self.topology.rank, self.server and self.server.tables.shards

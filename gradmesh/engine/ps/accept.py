@@ -35,8 +35,12 @@ def check_sender(source: int, message: Message, workers: int) -> None:
 
 def _push(server, source: int, message: Message) -> None:
     count = len(server.buckets)
-    message.check(source, "bucket", message.bucket < count,
-                  f"0..{count - 1}" if count else "none: this server holds no dense parameters")
+    message.check(
+        source,
+        "bucket",
+        message.bucket < count,
+        f"0..{count - 1}" if count else "none: this server holds no dense parameters",
+    )
 
 
 def _commit(server, source: int, message: Message) -> None:
@@ -75,7 +79,15 @@ def _anything(server, source: int, message: Message) -> None:
     pass
 
 
-CHECKS = {Kind.PUSH: _push, Kind.COMMIT: _commit, Kind.PULL: _pull, Kind.ROWS: _rows, Kind.GRADS: _rows,
-          Kind.TAKE: _take, Kind.RETURN: _return, Kind.CANCEL: _anything}
+CHECKS = {
+    Kind.PUSH: _push,
+    Kind.COMMIT: _commit,
+    Kind.PULL: _pull,
+    Kind.ROWS: _rows,
+    Kind.GRADS: _rows,
+    Kind.TAKE: _take,
+    Kind.RETURN: _return,
+    Kind.CANCEL: _anything,
+}
 """What a server serving a segment takes, and how each is checked (FINISHED: only while it
 answers an evaluation's row requests, `Server.serve_lookups`)."""

@@ -20,7 +20,6 @@ from gradmesh.engine.base import lr_factor
 
 
 class Applying:
-
     def commit(self, worker: int, message: Message) -> None:
         gradient = self.receiving.pop(worker) if worker in self.receiving else self.param.detach()[:0]
         rows = self.tables.take(worker)
@@ -64,8 +63,9 @@ class Applying:
     def _halted(self, clock: int) -> bool:
         """Nothing of a step with a non-finite push is applied; under --on-nonfinite stop nothing
         after it either (the run ends at the segment's report)."""
-        return clock in self.refused or (self.job.on_nonfinite == "stop" and bool(self.refused)
-                                         and clock > min(self.refused))
+        return clock in self.refused or (
+            self.job.on_nonfinite == "stop" and bool(self.refused) and clock > min(self.refused)
+        )
 
     def apply_ready_steps(self) -> None:
         while len(self.done.get(self.version, {})) == len(self.segment.chunks.get(self.version, [None])):
@@ -93,8 +93,11 @@ class Applying:
         staleness = self.version - message.version if self.bound is None else message.clock - message.version
         clipped = self.step(gradient, message.clock, math.sqrt(message.norm_sq) * scale, message.samples / batch)
         if clipped:
-            self.tables.apply(self.tables.summed(rows), lr_factor(message.clock, self.job.train) * message.samples / batch,
-                              scale * clipped)
+            self.tables.apply(
+                self.tables.summed(rows),
+                lr_factor(message.clock, self.job.train) * message.samples / batch,
+                scale * clipped,
+            )
         self.record(message.clock, staleness)
         self.applied += 1
         self._advance(message.clock, 1)

@@ -41,8 +41,11 @@ class DenseReplica:
         (heard at the next share's first row request, after the gradient buffer is zeroed)."""
 
     def state_bytes(self) -> int:
-        slots = sum(v.numel() * v.element_size() for v in self.optimizer.state.get(self.param, {}).values()
-                    if isinstance(v, torch.Tensor))
+        slots = sum(
+            v.numel() * v.element_size()
+            for v in self.optimizer.state.get(self.param, {}).values()
+            if isinstance(v, torch.Tensor)
+        )
         return 2 * self.param.numel() * self.param.element_size() + slots
 
     def buckets(self, bucket_elements: int) -> list[tuple[int, int]]:

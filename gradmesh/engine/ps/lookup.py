@@ -21,8 +21,9 @@ from gradmesh.parallel.ps import TableSpace
 
 
 class WorkerTables:
-    def __init__(self, model: nn.Module, tables: list[tuple[str, nn.Embedding]], roles, wire,
-                 codec: PushCodec | None = None):
+    def __init__(
+        self, model: nn.Module, tables: list[tuple[str, nn.Embedding]], roles, wire, codec: PushCodec | None = None
+    ):
         self.tables, self.roles, self.wire = [module for _, module in tables], roles, wire
         self.names = [name for name, _ in tables]
         self.codec = codec or PushCodec("none")
@@ -56,9 +57,11 @@ class WorkerTables:
         at = torch.searchsorted(found, ids.contiguous()).clamp(max=max(len(found) - 1, 0))
         if len(found) == 0 or not torch.equal(found[at], ids):  # else a row of another id, silently
             missing = ids[found[at] != ids][0] if len(found) else ids.reshape(-1)[0]
-            raise ValueError(f"sparse table {self.names[index]} looked up id {int(missing)}, which the model's "
-                             f"lookups(...) did not list for it: lookups must give exactly the ids each table's "
-                             f"forward looks up")
+            raise ValueError(
+                f"sparse table {self.names[index]} looked up id {int(missing)}, which the model's "
+                f"lookups(...) did not list for it: lookups must give exactly the ids each table's "
+                f"forward looks up"
+            )
         return (at,)
 
     def _pull(self, lookups: list[torch.Tensor]) -> None:
@@ -74,8 +77,11 @@ class WorkerTables:
         clock, least = gate or (0, 0)
         for s, mine in asked:
             count = int(mine.sum())
-            self.wire.send(self.roles.server_rank(s), Message(Kind.ROWS, clock=clock, version=least, samples=count),
-                           ids[mine] if count else None)
+            self.wire.send(
+                self.roles.server_rank(s),
+                Message(Kind.ROWS, clock=clock, version=least, samples=count),
+                ids[mine] if count else None,
+            )
         like = self.tables[0]
         rows = torch.empty(len(ids), like.embedding_dim, device=lookups[0].device)
         versions = []
@@ -83,7 +89,9 @@ class WorkerTables:
             for s, mine in asked:
                 server = self.roles.server_rank(s)
                 reply = self.wire.receive_from(server).expect(server, Kind.ROWS)
-                reply.check(server, "samples", reply.samples == int(mine.sum()), f"{int(mine.sum())}, the rows asked for")
+                reply.check(
+                    server, "samples", reply.samples == int(mine.sum()), f"{int(mine.sum())}, the rows asked for"
+                )
                 rows[mine] = payload_of(self.wire, server, reply.samples, like.embedding_dim, rows.device, rows.dtype)
                 versions.append(reply.version)
                 if gate is not None and s == 0 and self.heard:
@@ -100,13 +108,17 @@ class WorkerTables:
         does this, naming the table, the id and the range."""
         lookups = list(lookups)
         if len(lookups) != len(self.tables):
-            raise ValueError(f"the model's lookups(...) gave {len(lookups)} id tensors for its {len(self.tables)} "
-                             f"sparse tables ({', '.join(self.names)}): give one per table, in that order")
+            raise ValueError(
+                f"the model's lookups(...) gave {len(lookups)} id tensors for its {len(self.tables)} "
+                f"sparse tables ({', '.join(self.names)}): give one per table, in that order"
+            )
         for name, table, ids in zip(self.names, self.tables, lookups):
             bad = (ids < 0) | (ids >= table.num_embeddings)
             if bad.any():
-                raise IndexError(f"sparse table {name} looked up id {int(ids[bad][0])}, out of its range: it has "
-                                 f"{table.num_embeddings} rows, ids 0..{table.num_embeddings - 1}")
+                raise IndexError(
+                    f"sparse table {name} looked up id {int(ids[bad][0])}, out of its range: it has "
+                    f"{table.num_embeddings} rows, ids 0..{table.num_embeddings - 1}"
+                )
         return lookups
 
     def push(self) -> float:
@@ -124,7 +136,9 @@ class WorkerTables:
             return 0.0
         ids, where = torch.unique(torch.cat(ids), return_inverse=True)
         grads = torch.cat(values)
-        values = torch.zeros(len(ids), grads.shape[1], dtype=grads.dtype, device=grads.device).index_add_(0, where, grads)
+        values = torch.zeros(len(ids), grads.shape[1], dtype=grads.dtype, device=grads.device).index_add_(
+            0, where, grads
+        )
         for s, mine in self.space.by_server(ids):
             server = self.roles.server_rank(s)
             self.wire.send(server, Message(Kind.GRADS, samples=int(mine.sum())), ids[mine])

@@ -62,7 +62,7 @@ def step_seconds(started: float, applied: list[float]) -> list[float]:
             groups[-1][1] += 1
         latest = max(latest, moment)
     if len(groups) > 1 and groups[0][0] == 0:  # steps done at the very start share the next one's time
-        seconds, steps = groups.pop(0)
+        _, steps = groups.pop(0)
         groups[0][1] += steps
     return [max(seconds / steps, 1e-9) for seconds, steps in groups for _ in range(steps)]
 
@@ -126,24 +126,43 @@ class SegmentReport:
                 mine[int(clock)].append((int(chunk), int(worker), int(version), int(samples), loss))
         found, seconds = [], step_seconds(segment.started, stats[:, 3].tolist())
         for i, batch in enumerate(segment.batches):
-            shares = mine[batch.step]
-            own = [s for s in shares if s[1] == me]
-            lost = [{"worker": w, "indices": segment.indices(batch.step, c), "version": v} for c, w, v, _, _ in shares
-                    if w != me]
-            stale_sum, count, stale_max, _, wire, refused, sender = stats[i].tolist()
-            figures = torch.tensor([sum(s[4] for s in shares), sum(s[3] for s in shares), held, peak], dtype=torch.float64)
-            lr = self.job.optimizer_kwargs["lr"] * lr_factor(batch.step, self.job.train)
-            detail = {"versions": [v for _, _, v, _, _ in own]} if self.worker else {}
-            if lost:
-                detail["lost_workers"] = lost
-            indices = [i for c, _, _, _, _ in own for i in segment.indices(batch.step, c)]
-            outcome = StepOutcome(batch, lr, indices, figures,
-                                  row={"staleness_max": int(stale_max), "staleness_mean": stale_sum / max(count, 1),
-                                       "wire_bytes": int(wire), "roles": roles}, detail=detail)
-            if refused:
-                outcome.row["skipped"] = "nonfinite"
-                outcome.nonfinite = Finding(batch.step + 1, push=f"gradient pushed by worker rank {int(sender) - 1} "
-                                            f"({int(refused)} push(es) refused by the parameter servers)")
+            outcome = self._outcome(segment, batch, mine[batch.step], stats[i].tolist(), me, held, peak, roles)
             found.append((outcome, seconds[i]))
         return found
 
+    def _outcome(self, segment: Segment, batch, shares: list, stats_row: list, me: int, held, peak, roles: dict):
+        """One step's outcome from its shares in the dispatcher's log and its row of statistics."""
+        own = [s for s in shares if s[1] == me]
+        lost = [
+            {"worker": w, "indices": segment.indices(batch.step, c), "version": v}
+            for c, w, v, _, _ in shares
+            if w != me
+        ]
+        stale_sum, count, stale_max, _, wire, refused, sender = stats_row
+        figures = torch.tensor([sum(s[4] for s in shares), sum(s[3] for s in shares), held, peak], dtype=torch.float64)
+        lr = self.job.optimizer_kwargs["lr"] * lr_factor(batch.step, self.job.train)
+        detail = {"versions": [v for _, _, v, _, _ in own]} if self.worker else {}
+        if lost:
+            detail["lost_workers"] = lost
+        indices = [i for c, _, _, _, _ in own for i in segment.indices(batch.step, c)]
+        outcome = StepOutcome(
+            batch,
+            lr,
+            indices,
+            figures,
+            row={
+                "staleness_max": int(stale_max),
+                "staleness_mean": stale_sum / max(count, 1),
+                "wire_bytes": int(wire),
+                "roles": roles,
+            },
+            detail=detail,
+        )
+        if refused:
+            outcome.row["skipped"] = "nonfinite"
+            outcome.nonfinite = Finding(
+                batch.step + 1,
+                push=f"gradient pushed by worker rank {int(sender) - 1} "
+                f"({int(refused)} push(es) refused by the parameter servers)",
+            )
+        return outcome

@@ -2,7 +2,8 @@
 
 The loop hands the engine the global batches of a segment (every rank draws the same ones).
 Each batch is cut into W shares ("chunks", one per worker, as data parallelism would; under
-async and ssp, W x `ps.shares` smaller ones) in global order; empty shares (an epoch's short last batch) are no work. Clock c is the global
+async and ssp, W x `ps.shares` smaller ones) in global order; empty shares (an epoch's short last
+batch) are no work. Clock c is the global
 step `batch.step`; a server's version counts the updates it applied since step 0 (sync and
 ssp: clocks; async: shares).
 """
@@ -133,8 +134,11 @@ class Dispatcher:
         if not held:
             return []
         earliest, now = min([task[0] for task, _ in held] + [task[0] for task in self.queue]), time.monotonic()
-        return [(worker, task) for task, worker in sorted(held)
-                if task[0] == earliest and now - self.since[task] > seconds and worker not in self.hung]
+        return [
+            (worker, task)
+            for task, worker in sorted(held)
+            if task[0] == earliest and now - self.since[task] > seconds and worker not in self.hung
+        ]
 
     def earlier_than(self, worker: int, clock: int) -> bool:
         """A share of an earlier step is waiting that this worker may take."""

@@ -31,18 +31,29 @@ from gradmesh.engine.ps.timing import RoleClock
 
 
 class Server(Applying):
-    def __init__(self, index: int, shard: tuple[int, int], buckets: list[tuple[int, int]], flat: torch.Tensor,
-                 wire: Wire, job, bound: int | None, servers_group, tables: list | None = None,
-                 dense_on_workers: bool = False):
+    def __init__(
+        self,
+        index: int,
+        shard: tuple[int, int],
+        buckets: list[tuple[int, int]],
+        flat: torch.Tensor,
+        wire: Wire,
+        job,
+        bound: int | None,
+        servers_group,
+        tables: list | None = None,
+        dense_on_workers: bool = False,
+    ):
         self.index, self.wire, self.job, self.bound = index, wire, job, bound
         self.dense_on_workers = dense_on_workers
         """Hybrid: the dense parameters are the workers' (all-reduced); this server holds tables only."""
         self.codec = PushCodec(job.train.compression)
-        self.tables = ServerTables(tables or [], job.optimizer_kwargs.get("table_lr", job.optimizer_kwargs["lr"]),
-                                   self.codec)
+        self.tables = ServerTables(
+            tables or [], job.optimizer_kwargs.get("table_lr", job.optimizer_kwargs["lr"]), self.codec
+        )
         self.low, self.high = shard
         self.buckets, self.servers_group = buckets, servers_group
-        self.param = nn.Parameter(flat[self.low:self.high])  # a view: the mirror model sees every update
+        self.param = nn.Parameter(flat[self.low : self.high])  # a view: the mirror model sees every update
         self.optimizer = job.optimizer_class([self.param], **job.optimizer_kwargs)
         self.base_lr = self.optimizer.param_groups[0]["lr"]
         self.version = 0
@@ -59,14 +70,19 @@ class Server(Applying):
         self.clock = RoleClock("server")
 
     def state_bytes(self) -> int:
-        slots = sum(v.numel() * v.element_size() for v in self.optimizer.state.get(self.param, {}).values()
-                    if isinstance(v, torch.Tensor))
+        slots = sum(
+            v.numel() * v.element_size()
+            for v in self.optimizer.state.get(self.param, {}).values()
+            if isinstance(v, torch.Tensor)
+        )
         held = self.param.numel() * self.param.element_size() * (2 + len(self.spare) + len(self.receiving))
         return held + slots + self.tables.state_bytes()
 
     # -- a segment -------------------------------------------------------------------------------
 
-    def serve(self, segment: Segment, dispatcher: Dispatcher | None, identities: list[int], probe, lookout=None) -> None:
+    def serve(
+        self, segment: Segment, dispatcher: Dispatcher | None, identities: list[int], probe, lookout=None
+    ) -> None:
         """Answer workers until every share of the segment is applied here (and, on the
         dispatcher, every live worker has been told the segment is done).
 
@@ -145,7 +161,7 @@ class Server(Applying):
         low, high = self.buckets[bucket]
         if source not in self.receiving:  # a spare buffer, taken only when a share starts
             self.receiving[source] = self.spare.pop() if self.spare else torch.empty_like(self.param.detach())
-        into = self.receiving[source][low - self.low:high - self.low]
+        into = self.receiving[source][low - self.low : high - self.low]
         pushed = self.codec.buffer(into)
         with self.clock.phase("receive"):
             try:
@@ -210,8 +226,10 @@ class Server(Applying):
         otherwise the job ends here (or restarts, under --recovery restart) rather than wait."""
         for worker, (clock, _) in overdue:
             self.dispatcher.hung.add(worker)
-            what = (f"parameter server: worker rank {worker} has held a share of step {clock} for more than "
-                    f"--step-timeout {self.share_limit():g} s without committing it")
+            what = (
+                f"parameter server: worker rank {worker} has held a share of step {clock} for more than "
+                f"--step-timeout {self.share_limit():g} s without committing it"
+            )
             if self.job.membership is None:
                 raise RuntimeError(what + "; it hangs (--recovery inplace would go on without it)")
             print(f"gradmesh: {what}: it hangs and is stopped", file=sys.stderr, flush=True)

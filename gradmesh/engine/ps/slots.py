@@ -25,9 +25,15 @@ class OptimizerSlots:
 
     def template(self, named: list[tuple[str, nn.Parameter]]) -> dict:
         """Zeros shaped as the state of these parameters to be loaded (DCP loads into given tensors)."""
-        return {"state": {name: {**{k: torch.zeros_like(p) for k in self.elementwise},
-                                 **{k: torch.zeros_like(v) for k, v in self.scalars.items()}}
-                          for name, p in named}}
+        return {
+            "state": {
+                name: {
+                    **{k: torch.zeros_like(p) for k in self.elementwise},
+                    **{k: torch.zeros_like(v) for k, v in self.scalars.items()},
+                }
+                for name, p in named
+            }
+        }
 
     def gather(self, mine: dict | None, pieces: list[tuple[int, int, int]], wire, flat: torch.Tensor) -> dict:
         """Collective: every slot of the whole flat vector, on every rank ({} before the first update).
@@ -69,7 +75,9 @@ class OptimizerSlots:
         if not state or not all(name in state for name in names):
             return {}
         low, high = shard
-        found = {key: torch.cat([state[name][key].reshape(-1) for name in names])[low:high].clone()
-                 for key in self.elementwise}
+        found = {
+            key: torch.cat([state[name][key].reshape(-1) for name in names])[low:high].clone()
+            for key in self.elementwise
+        }
         found.update({key: state[names[0]][key].clone() for key in self.scalars})
         return found

@@ -26,8 +26,9 @@ from gradmesh.parallel.ps import TableSpace, table_rows
 class TableShard:
     """Server side: rows [low, high) of one table and their accumulators."""
 
-    def __init__(self, table: nn.Embedding, servers: int, server: int, initial, device: torch.device,
-                 name: str = "table"):
+    def __init__(
+        self, table: nn.Embedding, servers: int, server: int, initial, device: torch.device, name: str = "table"
+    ):
         """`initial(low, high)`: the table's initial rows (a model whose tables stay on the meta
         device makes them itself, so no rank ever holds the whole table to start)."""
         self.count, self.servers, self.server, self.name = table.num_embeddings, servers, server, name
@@ -35,7 +36,7 @@ class TableShard:
         if table.weight.is_meta:
             self.weight = initial(self.low, self.high).to(device)
         else:
-            self.weight = table.weight.detach()[self.low:self.high].clone().to(device)
+            self.weight = table.weight.detach()[self.low : self.high].clone().to(device)
         self.accumulator = torch.zeros(self.high - self.low, dtype=self.weight.dtype, device=self.weight.device)
         self.updates = 0
 
@@ -73,7 +74,9 @@ class ServerTables:
         worker checks its lookups before they leave (`WorkerTables`), and this is the last line."""
         total = self.space.offsets[-1]
         inside = (ids >= 0) & (ids < total)
-        mine = inside & (self.space.ranges(ids.clamp(0, max(total - 1, 0))) % self.space.servers == self.shards[0].server)
+        mine = inside & (
+            self.space.ranges(ids.clamp(0, max(total - 1, 0))) % self.space.servers == self.shards[0].server
+        )
         if bool(mine.all()):
             return
         bad = int(ids[~mine][0])
@@ -81,8 +84,10 @@ class ServerTables:
         if 0 <= bad < total:
             table = int(self.space.ranges(torch.tensor([bad]))[0]) // self.space.servers
             shard, start = self.shards[table], self.space.offsets[table]
-            accepted = (f"rows {shard.low}..{shard.high - 1} of {shard.name} (global ids {start + shard.low}.."
-                        f"{start + shard.high - 1}) on this server; id {bad} is row {bad - start}")
+            accepted = (
+                f"rows {shard.low}..{shard.high - 1} of {shard.name} (global ids {start + shard.low}.."
+                f"{start + shard.high - 1}) on this server; id {bad} is row {bad - start}"
+            )
         raise WireError(source, message.kind, "ids", bad, accepted)
 
     def message(self, wire, source: int, message: Message) -> torch.Tensor | None:

@@ -74,14 +74,16 @@ class WholeTables:
 
     def template(self) -> dict:
         """Zeros shaped as the tables' optimizer state to be loaded."""
-        return {f"{name}.weight": {"sum": torch.zeros(table.num_embeddings), "step": torch.tensor(0.0)}
-                for name, table in self.tables}
+        return {
+            f"{name}.weight": {"sum": torch.zeros(table.num_embeddings), "step": torch.tensor(0.0)}
+            for name, table in self.tables
+        }
 
     def install(self, shards: list, saved: dict) -> None:
         """A server's ranges from the loaded whole tables and their saved state."""
         for shard, (name, table) in zip(shards, self.tables):
-            shard.weight.copy_(table.weight.detach()[shard.low:shard.high])
+            shard.weight.copy_(table.weight.detach()[shard.low : shard.high])
             state = saved.get(f"{name}.weight", {})
             if "sum" in state:
-                shard.accumulator.copy_(state["sum"][shard.low:shard.high])
+                shard.accumulator.copy_(state["sum"][shard.low : shard.high])
                 shard.updates = int(state["step"].item())

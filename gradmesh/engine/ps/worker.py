@@ -22,24 +22,39 @@ from gradmesh.engine.ps.timing import RoleClock
 from gradmesh.parallel.ps import Layout, Roles
 
 
-def flat_views(params: list[nn.Parameter], device: torch.device, gradients: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def flat_views(
+    params: list[nn.Parameter], device: torch.device, gradients: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(parameters, gradients): flat buffers the parameters (and gradients) now view."""
     flat = torch.cat([p.detach().reshape(-1) for p in params]).to(device)
     grads = torch.zeros_like(flat) if gradients else None
     offset = 0
     for p in params:
         n = p.numel()
-        p.data = flat[offset:offset + n].view_as(p)
+        p.data = flat[offset : offset + n].view_as(p)
         if grads is not None:
-            p.grad = grads[offset:offset + n].view_as(p)
+            p.grad = grads[offset : offset + n].view_as(p)
         offset += n
     return flat, grads
 
 
 class Worker:
-    def __init__(self, roles: Roles, layout: Layout, model: nn.Module, params: list[nn.Parameter], flat, grads,
-                 wire: Wire, job, bound: int | None, bucket_elements: int, device: torch.device, tables=None,
-                 replica=None):
+    def __init__(
+        self,
+        roles: Roles,
+        layout: Layout,
+        model: nn.Module,
+        params: list[nn.Parameter],
+        flat,
+        grads,
+        wire: Wire,
+        job,
+        bound: int | None,
+        bucket_elements: int,
+        device: torch.device,
+        tables=None,
+        replica=None,
+    ):
         self.roles, self.layout, self.model = roles, layout, model
         self.flat, self.grads, self.wire, self.job, self.bound, self.device = flat, grads, wire, job, bound, device
         self.replica = replica
@@ -47,17 +62,7 @@ class Worker:
         self.prediction = None
         """`gradmesh.engine.ps.predict.WeightPrediction` under async and ssp:K >= 1, else None."""
         """Hybrid: `gradmesh.engine.ps.hybrid.DenseReplica` (the dense part all-reduced, not pushed)."""
-        self.buckets = [(s, k, low, high) for s in range(roles.servers)
-                        for k, (low, high) in enumerate(layout.buckets(s, bucket_elements))]
-        if replica is not None:  # server None: all-reduced among the workers
-            self.buckets = [(None, k, low, high) for k, (low, high) in enumerate(replica.buckets(bucket_elements))]
-        self.of_param: list[list[int]] = [[] for _ in layout.numels]
-        self.needed = []  # per bucket: the parameters whose gradients it waits for
-        for b, (_, _, low, high) in enumerate(self.buckets):
-            overlapping = layout.params_in(low, high)
-            self.needed.append(len(overlapping))
-            for index in overlapping:
-                self.of_param[index].append(b)
+        self._wire_buckets(roles, layout, bucket_elements, replica)
         self.missing = list(self.needed)
         self.pushing, self.task = False, (0, 0, 0)
         self.compute_s = 0.0
@@ -69,6 +74,24 @@ class Worker:
         if tables:
             tables.clock = self.clock
             tables.heard = replica.catch_up if replica else None
+
+    def _wire_buckets(self, roles: Roles, layout: Layout, bucket_elements: int, replica) -> None:
+        """The buckets gradients are pushed in (server, index, range) and, per parameter, the buckets
+        waiting for its gradient."""
+        self.buckets = [
+            (s, k, low, high)
+            for s in range(roles.servers)
+            for k, (low, high) in enumerate(layout.buckets(s, bucket_elements))
+        ]
+        if replica is not None:  # server None: all-reduced among the workers
+            self.buckets = [(None, k, low, high) for k, (low, high) in enumerate(replica.buckets(bucket_elements))]
+        self.of_param: list[list[int]] = [[] for _ in layout.numels]
+        self.needed = []  # per bucket: the parameters whose gradients it waits for
+        for b, (_, _, low, high) in enumerate(self.buckets):
+            overlapping = layout.params_in(low, high)
+            self.needed.append(len(overlapping))
+            for index in overlapping:
+                self.of_param[index].append(b)
 
     def run(self, segment: Segment, probe) -> None:
         """Take shares until the dispatcher says every share of the segment is committed.
@@ -133,7 +156,7 @@ class Worker:
             reply = Message.decode(head, servers[s]).expect(servers[s], Kind.PARAMS, Kind.RETRY)
             if reply.kind == Kind.RETRY:
                 if not retry:  # every other server answers once more: PARAMS if it already had, else RETRY
-                    for later in servers[s + 1:]:
+                    for later in servers[s + 1 :]:
                         self.wire.send(later, Message(Kind.CANCEL))
                 retry = True
                 continue
@@ -204,8 +227,19 @@ class Worker:
     def _commit(self, task: tuple[int, int, list[int]], samples: int, loss_sum: float, norm_sq: float) -> None:
         clock, chunk, versions = task
         versions = versions or self.tables.versions  # hybrid: what the share's first row request heard
-        commits = [Message(Kind.COMMIT, clock=clock, chunk=chunk, version=version, samples=samples,
-                           oldest=min(versions), loss=loss_sum, norm_sq=norm_sq) for version in versions]
+        commits = [
+            Message(
+                Kind.COMMIT,
+                clock=clock,
+                chunk=chunk,
+                version=version,
+                samples=samples,
+                oldest=min(versions),
+                loss=loss_sum,
+                norm_sq=norm_sq,
+            )
+            for version in versions
+        ]
         for s in range(1, self.roles.servers):
             self.wire.send(self.roles.server_rank(s), commits[s])
         if self.roles.servers > 1:
@@ -229,6 +263,8 @@ class Worker:
             self.replica.reduce(low, high)
             return
         clock, chunk, versions = self.task
-        self.wire.send(self.roles.server_rank(server), Message(Kind.PUSH, clock=clock, chunk=chunk,
-                                                               version=versions[server], bucket=k),
-                       self.codec.encode(self.grads[low:high]))  # fp32: a view, else a copy the wire keeps until sent
+        self.wire.send(
+            self.roles.server_rank(server),
+            Message(Kind.PUSH, clock=clock, chunk=chunk, version=versions[server], bucket=k),
+            self.codec.encode(self.grads[low:high]),
+        )  # fp32: a view, else a copy the wire keeps until sent

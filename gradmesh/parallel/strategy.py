@@ -1,0 +1,93 @@
+"""What a registry row is (`Strategy`) and what its formulas read (`ModelSize`): the model-state and
+wire-bytes formulas' shared parts live here, the rows themselves in `gradmesh.parallel.registry`."""
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the formulas need to know of a model and its step, per data-parallel replica."""
+
+    params: int
+    """P: parameter count."""
+    slots: int = 2
+    """Optimizer state tensors per parameter (AdamW 2, SGD with momentum 1, plain SGD 0)."""
+    tp_params: int = 0
+    """Parameters the tensor-parallel plan splits (the rest is replicated)."""
+    layers: int = 1
+    """Transformer blocks (tensor parallel all-reduces activations in each)."""
+    activation_bytes: int = 0
+    """Bytes of one block-boundary activation of this replica's share of a global batch."""
+
+
+def _ring(n: int) -> float:
+    """The share of a buffer each rank sends in a ring reduce-scatter or all-gather."""
+    return (n - 1) / n
+
+
+def _all_bytes(size: ModelSize) -> float:
+    return FP32 * size.params * (2 + size.slots)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    axis: str
+    """The mesh axis it spreads over when it runs alone."""
+    engine: str
+    """Step engine family (`gradmesh.engine.ENGINES`): collective, pipeline or ps."""
+    apply: str
+    """(model, topology, options) -> model: this strategy applied to a plain model."""
+    summary: str
+    """One line for --help and the docs."""
+    state_bytes: Callable[[ModelSize, int], float]
+    """Bytes of parameters, gradients and optimizer state one rank holds at degree N (fp32)."""
+    wire_bytes: Callable[[ModelSize, int], float]
+    """Bytes one rank sends per optimizer step at degree N (ring collectives)."""
+    roles: tuple[str, ...] = ("worker",)
+    sync: str = "gradmesh.parallel.data:ddp_sync"
+    """(model, last_micro_batch) -> context around one micro-batch's backward."""
+    optimizer: str = "gradmesh.parallel.state:plain_optimizer"
+    """(params, topology, optimizer_class, **kwargs) -> optimizer."""
+    optimizer_state: str = "gradmesh.parallel.state:named_optimizer_state"
+    """(model, optimizer, for_load) -> {"state": {parameter name: {name: tensor}}} for checkpoints."""
+    load_optimizer_state: str = "gradmesh.parallel.state:install_optimizer_state"
+    checks: tuple[Callable, ...] = ()
+    """Pre-launch checks: check(cfg, mesh, meta_model) raises UsageError."""
+    splits_model: bool = False
+    """Each rank holds a different part of the model (tensor or pipeline parallel)."""
+    beside_model_parallel: tuple[str, str] | None = None
+    """(apply, sync) used instead when the mesh also splits the model (DDP takes no DTensor or stage)."""
+    replicated: bool = False
+    """Every rank holds identical parameters: the replica check applies."""
+    same_work: bool = True
+    """Every rank does the same work per step, so a slow one is a straggler."""
+    inplace_recovery: bool = False
+    """A lost rank holds nothing the others lack: survivors can go on in place."""
+    critical: str | None = None
+    """(cfg, world) -> ranks whose loss the survivors cannot absorb in place (a parameter
+    server's shard): under in-place recovery every rank then restarts from the last checkpoint."""
+    step_breakdown: bool = True
+    """The monitor's per-phase step breakdown applies (its ranks step together)."""
+    compressions: tuple[str, ...] = ("fp16", "bf16", "powersgd", "topk", "auto")
+    """The --compression methods its data-parallel gradients can travel by: all of them through
+    the job's reducer (per-parameter parts for error feedback); fsdp reduce-scatters in FSDP2 at
+    its reduce dtype (fp16, bf16); hybrid all-reduces bucket slices without parameter parts;
+    ps pushes through its own wire."""
+    dense_on_workers: bool = False
+    """Parameter-server family: the dense parameters are replicated on the workers and averaged
+    among them by all-reduce; the servers hold only the sparse tables (hybrid)."""
+
+
+def load(ref: str) -> Callable:
+    """'module:function' -> the function (imported on first use)."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _tp_state(size: ModelSize, n: int) -> float:
+    return FP32 * (2 + size.slots) * (size.params - size.tp_params + size.tp_params / n)
