@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/nonfinite_overhead.py [--device cpu|cuda] [--rounds 3] [--nproc 2]
 
-The built-in gpt-char model at the README's benchmark size, under ddp: rounds alternate the check
+The built-in gpt-char model at the benchmarks page's size (docs/benchmarks.md), under ddp: rounds alternate the check
 on and off (off: the engine's check replaced by one that finds nothing), each timing `--steps`
 steps after a warm-up, in the same processes so that noise hits both alike. `--nproc 1` (the
 default) times the check's own work (one fused norm pass); `--nproc N` relaunches this script on

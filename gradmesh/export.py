@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gradmesh.errors import UsageError
 from gradmesh.fault import checkpoint, safeload
@@ -42,7 +43,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, warn=p
     state = {
         key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         for key, meta in metadata.items()
-        if key.startswith("model.") and hasattr(meta, "size")
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
     safeload.load(state, path, no_dist=True)
     weights = {key.removeprefix("model."): tensor.contiguous() for key, tensor in state.items()}

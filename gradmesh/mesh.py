@@ -3,9 +3,12 @@
 from gradmesh.config.checks import whole
 from gradmesh.errors import UsageError
 
-MESH_AXES = ("dp", "fsdp", "pp", "tp", "ps")
+DP_AXIS, FSDP_AXIS, PP_AXIS, TP_AXIS, PS_AXIS = "dp", "fsdp", "pp", "tp", "ps"
+"""Axis names, for code that picks an axis: several are also strategies' names, which only the
+strategy registry compares (tests/test_architecture.py tells the two apart by these constants)."""
+MESH_AXES = (DP_AXIS, FSDP_AXIS, PP_AXIS, TP_AXIS, PS_AXIS)
 """ps: parameter servers and their workers (a role axis; it composes with no other)."""
-DATA_AXES = ("dp", "fsdp")
+DATA_AXES = (DP_AXIS, FSDP_AXIS)
 """The axes that split each global batch."""
 
 

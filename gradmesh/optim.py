@@ -28,7 +28,8 @@ def rowwise_adagrad(param: torch.Tensor, grad: torch.Tensor, accumulator: torch.
 
 
 def with_rowwise_tables(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    class RowwiseTables(base):
+    # A base class chosen at run time: mypy cannot type a class over a variable base.
+    class RowwiseTables(base):  # type: ignore[valid-type,misc]
         def __init__(self, params, *, tables, table_lr: float, **kwargs):
             super().__init__(params, **kwargs)
             self.table_weights = [table.weight for table in tables]  # held: their ids stay theirs

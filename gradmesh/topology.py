@@ -98,7 +98,9 @@ def _attempt_store(generation: int = 0) -> "dist.Store | None":
     if not env.uses_agent_store():
         return None
     attempt = env.restart_count()
-    return dist.PrefixStore(f"gradmesh/attempt-{attempt}/generation-{generation}", job_store())
+    store = job_store()
+    assert store is not None  # the elastic agent that shares its store sets MASTER_ADDR/MASTER_PORT too
+    return dist.PrefixStore(f"gradmesh/attempt-{attempt}/generation-{generation}", store)
 
 
 def _collective_timeout() -> "timedelta | None":
@@ -212,8 +214,10 @@ class Topology:
     def group(self, name: str) -> dist.ProcessGroup:
         """A process group by name: "world" (every rank), a mesh axis, or a side group."""
         if name == "world":
+            assert dist.group.WORLD is not None  # groups are asked for after `start` made it
             return dist.group.WORLD
         if name in self.mesh_shape:
+            assert self.mesh is not None  # made by `start` with the process group
             return self.mesh[name].get_group()
         if name in self.side_groups:
             return self.side_groups[name]

@@ -101,7 +101,7 @@ def train(cfg: configuration.Config) -> dict:
     if session.identity != 0:
         sys.stdout, sys.stderr = RankPrefixed(sys.stdout, session.identity), RankPrefixed(sys.stderr, session.identity)
     run_dir = Path(cfg.run.dir)
-    remote = "server" in registry.get(cfg.train.strategy).roles  # sparse tables live on the servers
+    remote = registry.get(cfg.train.strategy).has_servers  # sparse tables live on the servers
     workload = workload or workloads.build(cfg, session.device, remote_tables=remote)
     trainer = _trainer(cfg, session, workload, run_dir)
     summary = trainer.fit()

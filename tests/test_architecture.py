@@ -64,19 +64,90 @@ def test_environment_is_read_in_one_module():
     assert [str(p) for p in readers] == ["env.py"]
 
 
-def test_only_the_registry_knows_strategy_names():
-    """No `== "ddp"`-style branches outside the registry (the names are its keys). "fsdp" is also
-    a mesh axis's name, which topology code compares freely."""
-    names = [row.name for row in registry.ROWS if row.name not in MESH_AXES]
+REGISTRIES = {"parallel/registry.py", "parallel/strategy.py", "config/compression.py"}
+"""The strategy registry (its rows and their type) and the compressor registry."""
+AXIS_MODULES = {"mesh.py", "topology.py"}
+"""Where mesh axes are named and picked; code elsewhere picks an axis by mesh.py's constants."""
+
+
+def _compared_constants(tree: ast.AST):
+    """(line, value) of each string literal compared (==, !=, in, not in), matched in a case, or
+    looked up as a key."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            where = node
+        elif isinstance(node, ast.Subscript):
+            where = node.slice
+        elif isinstance(node, ast.match_case):
+            where = node.pattern
+        else:
+            continue
+        yield from ((c.lineno, c.value) for c in ast.walk(where) if isinstance(c, ast.Constant) and isinstance(c.value, str))
+
+
+def _names_outside_the_registries():
+    from gradmesh.engine import ENGINES
+
+    names = ({row.name for row in registry.ROWS} | set(ENGINES)
+             | {role for row in registry.ROWS for role in row.roles} | set(MESH_AXES))
     hits = []
     for path in SOURCES:
-        if path.name == "registry.py":
+        where = str(path.relative_to(PACKAGE))
+        if where in REGISTRIES:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare):
-                constants = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
-                hits += [f"{path.name}:{node.lineno}" for value in constants if value in names]
-    assert not hits
+        for line, value in _compared_constants(ast.parse(path.read_text())):
+            if value in names and not (where in AXIS_MODULES and value in MESH_AXES):
+                hits.append(f"{where}:{line} {value!r}")
+    return hits
+
+
+def test_only_the_registry_knows_strategy_names():
+    """No `== "ddp"`-style branches outside the registries: strategy, engine-family and role names
+    are the registry's keys, and code elsewhere asks a row's or a plan's capabilities. Names that
+    are also mesh axes ("fsdp", "tp", "pp", "ps", "dp") are not skipped: only mesh.py and
+    topology.py compare axis literals, other code uses mesh.py's axis constants."""
+    assert not _names_outside_the_registries()
+
+
+def test_the_names_check_sees_what_it_must(monkeypatch, tmp_path):
+    """A comparison with an axis-named strategy, an engine family or a role, a literal key lookup
+    and a match case are each caught."""
+    source = tmp_path / "probe.py"
+    source.write_text('a == "fsdp"\nb != "collective"\n"server" in c\nd["ps"]\nmatch e:\n    case "pipeline": pass\n')
+    monkeypatch.setattr(sys.modules[__name__], "SOURCES", [source])
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+    assert len(_names_outside_the_registries()) == 5
+
+
+def test_a_compressor_row_is_all_a_new_method_needs(monkeypatch):
+    """The compressor registry is the seam: a row added there (and nothing else) parses with its
+    parameters, builds its reducer, is accepted by the strategies of its families and shows in
+    --compression's help."""
+    from gradmesh.cli import build_parser
+    from gradmesh.comm.compress import reducer_for
+    from gradmesh.config import compression
+
+    row = compression.Compressor(
+        "sign", "sign[:scale=S] (one bit per entry)", syntax="[:scale=S]", parameters={"scale": float},
+        reducer="gradmesh.comm.compress:cast_all_reduce", wire_dtype="float16", families=compression.THROUGH_THE_REDUCER,
+    )
+    rows = (*compression.ROWS[:-1], row, compression.ROWS[-1])
+    monkeypatch.setattr(compression, "ROWS", rows)
+    monkeypatch.setattr(compression, "COMPRESSORS", {r.name: r for r in rows})
+    assert compression.parse_compression("sign:scale=0.5") == ("sign", {"scale": 0.5})
+    assert reducer_for("sign:scale=2").name == "all_reduce_sign"
+    assert "sign" in registry.resolve("ddp", {"dp": 2}).compressions
+    assert "sign" not in registry.resolve("ps", {"ps": 3}).compressions
+    with pytest.raises(UsageError, match=re.escape("topk:ratio=K[,start=N] (0 < K <= 1), sign[:scale=S] or auto")):
+        compression.parse_compression("zstd")
+    assert "sign[:scale=S] (one bit per entry)" in " ".join(_train_help(build_parser()).split())
+
+
+def _train_help(parser) -> str:
+    import argparse
+
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices["train"].format_help()
 
 
 def test_cli_reads_the_registry_without_importing_torch():
@@ -89,7 +160,7 @@ def test_cli_reads_the_registry_without_importing_torch():
 def test_every_registry_row_resolves_to_real_functions():
     for row in registry.ROWS:
         for ref in (row.apply, row.sync, row.optimizer, row.optimizer_state, row.load_optimizer_state):
-            assert callable(registry.load(ref)), (row.name, ref)
+            assert ref is None or callable(registry.load(ref)), (row.name, ref)
     from gradmesh.engine import ENGINES
 
     assert {row.engine for row in registry.ROWS} <= set(ENGINES)
@@ -115,6 +186,18 @@ def test_plan_properties_follow_its_rows():
     assert not registry.resolve("pipeline", {"pp": 2}).same_work
     with pytest.raises(UsageError, match="not one of ddp, zero1"):
         registry.get("horovod")
+
+
+def test_a_plans_capabilities_are_its_families():
+    """What the CLI, the loop and the worker ask instead of comparing names."""
+    ddp, pipeline, ps = (registry.resolve("ddp", {"dp": 2}), registry.resolve("ddp", {"dp": 2, "pp": 2}),
+                         registry.resolve("ps", {"ps": 3}))
+    assert ddp.runs_lockstep and ddp.accepts_balance and not ddp.has_servers
+    assert pipeline.runs_lockstep and not pipeline.accepts_balance and not pipeline.has_servers
+    assert not ps.runs_lockstep and not ps.accepts_balance and ps.has_servers
+    assert [row.name for row in registry.ROWS if row.has_servers] == ["ps", "hybrid"]
+    assert ps.compressions == registry.resolve("fsdp", {"fsdp": 2}).compressions == ("none", "fp16", "bf16")
+    assert ddp.compressions == ("none", "fp16", "bf16", "powersgd", "topk", "auto")
 
 
 def test_state_formulas_are_the_zero_papers():
@@ -200,14 +283,3 @@ def test_a_strategy_named_on_a_sessions_default_mesh_runs_alone_over_its_ranks()
     assert registry.resolve("zero1", {"dp": 2}).label == "zero1"
     with pytest.raises(UsageError, match="does not combine"):
         registry.resolve("ps", {"dp": 2, "tp": 2})
-
-
-def test_the_readmes_strategy_table_is_the_registry():
-    """The user's table of strategies lists exactly the registry's rows, in its order."""
-    from gradmesh.parallel.registry import STRATEGIES
-
-    text = (PACKAGE.parent / "README.md").read_text()
-    table = text[text.index("| strategy | what each rank holds |"):]
-    table = table[:table.index("\n\n")]
-    listed = re.findall(r"^\| `([a-z0-9]+)` \|", table, flags=re.MULTILINE)
-    assert listed == list(STRATEGIES)

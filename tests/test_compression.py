@@ -227,7 +227,7 @@ def test_fp16_pushes_keep_their_digits_whatever_the_gradients_scale():
 
 
 def test_topk_under_adam_gets_a_note_before_launch(capsys):
-    """Top-k trains ~10% behind under AdamW (the README's convergence table): said once, with
+    """Top-k trains ~10% behind under AdamW (docs/benchmarks.md's convergence table): said once, with
     what helps; not under SGD, and not for other methods."""
     from gradmesh.cli import build_parser
     from gradmesh.cli.options import resolve_config

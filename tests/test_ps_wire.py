@@ -61,13 +61,15 @@ def serving(bound, tables=(), dispatcher=True):
     serving a segment of steps 0-1 of 8 samples each."""
     from gradmesh.config import TrainConfig
     from gradmesh.data import GlobalOrderSampler
+    from gradmesh.engine.ps.mode import Mode
     from gradmesh.engine.ps.segment import Dispatcher, Segment
     from gradmesh.engine.ps.server import Server
 
     job = SimpleNamespace(train=TrainConfig(global_batch_size=8, grad_clip=0.0), optimizer_class=torch.optim.SGD,
                           optimizer_kwargs={"lr": 0.1}, step_timeout=0, membership=None,
                           on_nonfinite="stop")
-    server = Server(0, (0, 8), [(0, 4), (4, 8)], torch.zeros(8), RecordingWire(), job, bound, None, list(tables))
+    mode = Mode("async", None) if bound is None else Mode(f"ssp:{bound}", bound)
+    server = Server(0, (0, 8), [(0, 4), (4, 8)], torch.zeros(8), RecordingWire(), job, mode, None, list(tables))
     sampler = GlobalOrderSampler(64, 8, seed=0)
     segment = Segment([sampler.next_global() for _ in range(2)], workers=2)
     server.segment, server.workers, server.identities = segment, 2, [0, 1, 2]

@@ -46,7 +46,7 @@ def _advise(cfg: configuration.Config) -> None:
             f"gradmesh: note: --compression {cfg.train.compression} under {cfg.train.optimizer} trains slower per "
             "step than under sgd (an entry sent once in T steps carries T steps of gradient, which inflates Adam's "
             "second moment); a dense warm-up narrows the gap (topk:ratio=K,start=N), and powersgd:rank=R suits Adam "
-            "better (see the README's compression benchmark)",
+            "better (see docs/benchmarks.md, convergence under compression)",
             file=sys.stderr,
         )
 
@@ -94,7 +94,7 @@ def _job_key(cfg: configuration.Config) -> str:
 
 def _check_parallelism(cfg: configuration.Config, nproc: int, world: int, meta_model) -> registry.Plan:
     """The strategy registry's checks; returns the plan (strategies on a named mesh) the workers build."""
-    check_ps_options_need_ps(cfg, cfg.train.strategy, [row.name for row in registry.ROWS if "server" in row.roles])
+    check_ps_options_need_ps(cfg, cfg.train.strategy, [row.name for row in registry.ROWS if row.has_servers])
     mesh = registry.mesh_for(cfg.train.strategy, world, cfg.train.mesh)
     product = math.prod(mesh.values())
     if product != world:
@@ -107,8 +107,8 @@ def _check_parallelism(cfg: configuration.Config, nproc: int, world: int, meta_m
     plan.check(cfg, meta_model)
     _check_balance(cfg, plan, math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
     method = parse_compression(cfg.train.compression)[0]
-    if method != "none" and method not in plan.compressions:
-        accepted = ", ".join(["none", *plan.compressions])
+    if method not in plan.compressions:
+        accepted = ", ".join(plan.compressions)
         raise UsageError(
             f"--compression {cfg.train.compression} does not apply to {plan.label}; accepted with it: {accepted}"
         )
@@ -117,7 +117,7 @@ def _check_parallelism(cfg: configuration.Config, nproc: int, world: int, meta_m
 
 def _check_balance(cfg: configuration.Config, plan: registry.Plan, data_ranks: int) -> None:
     how, shares = parse_balance(cfg.train.balance)
-    if how != "off" and plan.engine != "collective":
+    if how != "off" and not plan.accepts_balance:
         raise UsageError(
             f"--balance {cfg.train.balance} applies to strategies whose ranks step together (ddp, zero1, "
             f"fsdp, tp meshes), not to {plan.label} (its own shares); leave it out"
@@ -130,7 +130,7 @@ def _check_balance(cfg: configuration.Config, plan: registry.Plan, data_ranks: i
 
 
 def _check_recovery(cfg: configuration.Config, plan: registry.Plan) -> None:
-    if cfg.fault.on_nonfinite == "rollback" and plan.engine == "ps":
+    if cfg.fault.on_nonfinite == "rollback" and not plan.runs_lockstep:
         raise UsageError(
             f"--on-nonfinite rollback needs ranks that step together; {plan.label}'s parameter servers "
             "check every push instead: use --on-nonfinite stop or skip"

@@ -5,6 +5,7 @@ import argparse
 
 from gradmesh import config as configuration
 from gradmesh.cli.options import add_failure_options, add_launch_options, bucket_type, integer, number
+from gradmesh.config.compression import help_text as compression_help
 from gradmesh.parallel import registry
 
 
@@ -97,8 +98,7 @@ def _add_optimisation_options(train: argparse.ArgumentParser, how: argparse._Arg
     how.add_argument(
         "--compression",
         metavar="METHOD",
-        help="data-parallel gradients on the wire: none (fp32, default), fp16 or bf16 (half the bytes), "
-        "powersgd:rank=R[,start=N], topk:ratio=K[,start=N] (both with error feedback) or auto",
+        help=compression_help(),
     )
     how.add_argument("--lr", type=number, help="peak learning rate")
     how.add_argument("--max-steps", type=integer, metavar="N", help="optimizer steps to run (default 1500)")

@@ -18,8 +18,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from gradmesh.comm.feedback import PowerSGD
+from gradmesh.comm.compress import reducer_for
+from gradmesh.comm.feedback import ErrorFeedback
 from gradmesh.comm.reducer import MeanAllReduce, Reducer
+from gradmesh.config import compression as compressors
 
 PROBE_BYTES = 4 * 2**20
 DECIDE_AFTER = 2
@@ -55,6 +57,11 @@ class AutoCompression(Reducer):
         self.pending_state = state
 
 
+def auto_compression(row, parameters: dict) -> AutoCompression:
+    """The compressor registry's builder for `auto`."""
+    return AutoCompression()
+
+
 def probe_bandwidth(group, device: torch.device, repeats: int = 3) -> dict:
     """Collective over `group`: the all-reduce bus bandwidth in bytes per second (slowest rank)."""
     buffer = torch.zeros(PROBE_BYTES // 4, device=device)
@@ -76,23 +83,31 @@ def probe_bandwidth(group, device: torch.device, repeats: int = 3) -> dict:
     }
 
 
+def _candidates() -> tuple[str, str]:
+    """The settings `auto` may choose (`Compressor.auto_setting`): (error feedback, plain cast)."""
+    settings = [(row.auto_setting, row.error_feedback) for row in compressors.ROWS if row.auto_setting is not None]
+    return next(s for s, feedback in settings if feedback), next(s for s, feedback in settings if not feedback)
+
+
 def decide(shapes: list[torch.Size], ranks: int, bandwidth: float, step_s: float, feedback_ok: bool) -> dict:
     """The method and the figures it was chosen by."""
     params = sum(math.prod(shape) for shape in shapes)
     comm_s = 2 * (ranks - 1) / ranks * 4 * params / bandwidth if ranks > 1 else 0.0
     compute_s = max(step_s - comm_s, 1e-6)
-    chosen = PowerSGD(rank=4, start=0)
+    feedback, cast = _candidates()
+    chosen = reducer_for(feedback)
+    assert isinstance(chosen, ErrorFeedback), feedback  # its row says error_feedback
     shrinks = sum(math.prod(s) for s in shapes if chosen.compresses(s))
     if comm_s <= SHARE * compute_s:
         choice, why = "none", f"the all-reduce would take {comm_s / compute_s:.1%} of compute (<= {SHARE:.0%})"
     elif feedback_ok and shrinks * 2 >= params:
         choice, why = (
-            "powersgd:rank=4",
+            feedback,
             f"the all-reduce would take {comm_s / compute_s:.0%} of compute; "
             f"{shrinks / params:.0%} of the parameters are matrices it shrinks",
         )
     else:
-        choice, why = "bf16", f"the all-reduce would take {comm_s / compute_s:.0%} of compute"
+        choice, why = cast, f"the all-reduce would take {comm_s / compute_s:.0%} of compute"
     return {
         "params": params,
         "estimated_comm_s": comm_s,

@@ -11,13 +11,22 @@ import torch
 import torch.distributed as dist
 
 from gradmesh.comm.reducer import Reducer
+from gradmesh.config import compression as compressors
+from gradmesh.config.compression import Compressor, parse_compression
 
-COMPRESSIONS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+def cast_dtype(compression: str) -> torch.dtype | None:
+    """The dtype a plain cast (`Compressor.wire_dtype`) narrows gradients to; None for any other method."""
+    row = compressors.COMPRESSORS.get(compression)
+    return getattr(torch, row.wire_dtype) if row and row.wire_dtype else None
 
 
 class CastAllReduce(Reducer):
     def __init__(self, compression: str):
-        self.dtype, self.name = COMPRESSIONS[compression], f"all_reduce_{compression}"
+        dtype = cast_dtype(compression)
+        if dtype is None:
+            raise ValueError(f"--compression {compression} is not a plain cast (its row has no wire_dtype)")
+        self.dtype, self.name = dtype, f"all_reduce_{compression}"
 
     def wire_bytes(self, tensor: torch.Tensor, parts=None) -> int:
         return tensor.numel() * torch.finfo(self.dtype).bits // 8
@@ -44,7 +53,7 @@ class PushCodec:
     rounding of its own. bf16 has fp32's range and goes as it is."""
 
     def __init__(self, compression: str):
-        self.dtype = COMPRESSIONS.get(compression, torch.float32)
+        self.dtype = cast_dtype(compression) or torch.float32
         self.scaled = self.dtype == torch.float16
 
     def numel(self, values: int) -> int:
@@ -76,17 +85,11 @@ class PushCodec:
             into.mul_(2.0 ** -int(payload[-1]))
 
 
-def reducer_for(compression: str) -> Reducer | None:
-    """The base reducer of `--compression` (None: the plain fp32 mean)."""
-    from gradmesh.comm.auto import AutoCompression
-    from gradmesh.comm.feedback import PowerSGD, TopK
-    from gradmesh.config.compression import parse_compression
+def cast_all_reduce(row: Compressor, parameters: dict) -> Reducer:
+    return CastAllReduce(row.name)
 
-    method, options = parse_compression(compression)
-    if method == "auto":
-        return AutoCompression()
-    if method in COMPRESSIONS:
-        return CastAllReduce(method)
-    if method == "powersgd":
-        return PowerSGD(options["rank"], options["start"])
-    return TopK(options["ratio"], options.get("start", 0)) if method == "topk" else None
+
+def reducer_for(compression: str) -> Reducer | None:
+    """The base reducer of `--compression` (None: the plain fp32 mean), as its compressor row builds it."""
+    method, parameters = parse_compression(compression)
+    return compressors.COMPRESSORS[method].build(parameters)

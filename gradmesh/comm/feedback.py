@@ -38,7 +38,7 @@ Parts = list[tuple[str, torch.Size]]
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future:
-    future = torch.futures.Future()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(tensor)
     return future
 
@@ -210,3 +210,13 @@ def _offsets(kept: list[int]) -> list[int]:
         starts.append(at)
         at += 2 * k
     return starts
+
+
+def powersgd(row, parameters: dict) -> PowerSGD:
+    """The compressor registry's builder for `powersgd:rank=R[,start=N]`."""
+    return PowerSGD(parameters["rank"], parameters["start"])
+
+
+def topk(row, parameters: dict) -> TopK:
+    """The compressor registry's builder for `topk:ratio=K[,start=N]`."""
+    return TopK(parameters["ratio"], parameters.get("start", 0))

@@ -43,7 +43,7 @@ def register(model: DistributedDataParallel, reducer: Reducer) -> DistributedDat
     names = {id(p): name for name, p in model.module.named_parameters()}
     state = HookState(reducer, model.process_group, names)
     model.register_comm_hook(state, _reduce_bucket)
-    model.gradmesh_hook = state
+    setattr(model, "gradmesh_hook", state)  # noqa: B010 (nn.Module types attributes as tensors or modules)
     return model
 
 

@@ -12,11 +12,15 @@ A header is checked where it is received, before anything acts on it: here its k
 fields no message may have negative (`Message.decode`), by the receiver the fields it acts on
 (`gradmesh.engine.ps.accept` on a server; the worker checks its answers). A header that fails
 is a `WireError`, one line naming the sender's rank and the field, which ends that rank with it.
+
+Code builds and reads messages through their typed records (`gradmesh.comm.ps_records`), whose
+fields are named for what each kind means by them; `Message` is the header they travel as.
 """
 
 import threading
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -111,7 +115,8 @@ class Message:
         loss, norm_sq = head[7:].view(torch.float64).tolist()
         if whole[0] not in Kind._value2member_map_:
             raise WireError(sender, None, "kind", whole[0], f"{min(Kind)}..{max(Kind)}")
-        message = cls(Kind(whole[0]), *whole[1:], loss=loss, norm_sq=norm_sq)
+        kind, clock, chunk, version, samples, bucket, oldest = whole
+        message = cls(Kind(kind), clock, chunk, version, samples, bucket, oldest, loss, norm_sq)
         for name in COUNTS:
             message.check(sender, name, getattr(message, name) >= 0, "0 or more")
         message.check(sender, "norm_sq", not norm_sq < 0, "0 or more")
@@ -131,10 +136,10 @@ class Message:
 class Wire:
     """One rank's end of the wire. Sends never block; their works are kept until `settle`."""
 
-    def __init__(self, header_group, payload_group, counter=None):
+    def __init__(self, header_group, payload_group, counter=None) -> None:
         self.header_group, self.payload_group, self.counter = header_group, payload_group, counter
         self.pending: list = []
-        self.incoming = None
+        self.incoming: tuple[Any, torch.Tensor, threading.Event, list[RuntimeError]] | None = None
         """A receive from anyone still posted: (work, header buffer, event set once it completed,
         the error it failed with)."""
 
@@ -164,10 +169,11 @@ class Wire:
         call goes on waiting for it."""
         if self.incoming is None:
             head = torch.zeros(HEADER, dtype=torch.int64)
-            work, arrived, errors = dist.irecv(head, group=self.header_group), threading.Event(), []
-            self.incoming = (work, head, arrived, errors)
+            posted: Any = dist.irecv(head, group=self.header_group)  # a receive from anyone: never None
+            arrived, errors = threading.Event(), cast(list[RuntimeError], [])
+            self.incoming = (posted, head, arrived, errors)
             if lookout is not None:
-                threading.Thread(target=_wait_then_set, args=(work, arrived, errors), daemon=True).start()
+                threading.Thread(target=_wait_then_set, args=(posted, arrived, errors), daemon=True).start()
         work, head, arrived, errors = self.incoming
         if lookout is None:
             work.wait()
@@ -186,7 +192,7 @@ class Wire:
         dist.recv(inbox, source, group=self.header_group)
         return Message.decode(inbox, source)
 
-    def expect(self, source: int, answer: bool = False) -> tuple[torch.Tensor, object]:
+    def expect(self, source: int, answer: bool = False) -> tuple[torch.Tensor, Any]:
         """Post a receive of the next header from `source` (`answer`: TASK or DONE): (buffer, work).
         A send completes only once its receive is posted, so one posted early lets the sender go on."""
         head = torch.zeros(HEADER, dtype=torch.int64)

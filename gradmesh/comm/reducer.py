@@ -55,7 +55,7 @@ class Wrapper(Reducer):
     inner: Reducer
 
     @property
-    def carries_nonfinite(self) -> bool:
+    def carries_nonfinite(self) -> bool:  # type: ignore[override]  # a wrapper answers for the reducer it wraps
         return self.inner.carries_nonfinite
 
     def state_dict(self):

@@ -29,7 +29,8 @@ class FaultConfig:
 
     recovery: str = "none"
     """none (a failure ends the run), restart (every worker restarts from the latest checkpoint) or
-    inplace (the survivors rebuild their group and go on from the current step; ddp, one machine)."""
+    inplace (the survivors rebuild their group and go on from the current step; ddp and ps, one machine;
+    under ps a lost server restarts every rank)."""
     max_restarts: int = 3
     """recovery=restart: restarts of the worker group allowed before the run fails.
     recovery=inplace: replacement workers started for lost ones (they join the running job).
@@ -45,7 +46,8 @@ class FaultConfig:
     """on_nonfinite=skip: consecutive skipped steps after which the run stops as under stop."""
     inject: str = ""
     """Faults to inject, ';'-separated: kill:rank=R,step=N[,at=checkpoint]  hang:rank=R,step=N
-    slow:rank=R,factor=F|delay=S  diverge:rank=R,step=N  nan:rank=R,step=N[,steps=M]."""
+    slow:rank=R,factor=F|delay=S  diverge:rank=R,step=N  memory:rank=R,free_mb=M  nan:rank=R,step=N[,steps=M]
+    chaos:faults=N,seed=S[,kinds=kill+hang+slow][,pace=S]."""
 
     def __post_init__(self):
         finite(self)

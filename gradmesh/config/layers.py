@@ -9,7 +9,8 @@ from gradmesh.config.sections import Config
 from gradmesh.errors import UsageError
 from gradmesh.paths import checked
 
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+# Every field of Config is a section made by its class, so the default factory is that class.
+SECTIONS: dict[str, type] = {f.name: typing.cast(type, f.default_factory) for f in dataclasses.fields(Config)}
 
 MODEL_DEFAULTS: dict[str, dict[str, dict]] = {
     # A click log of 3 x 10^6 samples wants bigger batches than a character model: one epoch of

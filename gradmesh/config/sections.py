@@ -30,7 +30,8 @@ class TrainConfig:
 
     strategy: str = "ddp"
     """Parallelism strategy, a row of the strategy registry (`gradmesh.parallel.registry`): ddp, zero1
-    (optimizer state sharded), fsdp (everything sharded), tp (tensor parallel) or pipeline; checked there."""
+    (optimizer state sharded), fsdp (everything sharded), tp (tensor parallel), pipeline, ps (parameter
+    servers) or hybrid (sparse tables on servers, the dense part all-reduced); checked there."""
     mesh: str = ""
     """Named device mesh composing strategies, e.g. "dp=2,tp=2", "fsdp=2,tp=2" or "dp=2,pp=2" (empty: the
     strategy alone)."""

@@ -7,7 +7,7 @@ machine builds the same text and the same vocabulary.
 
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +56,7 @@ def _walk(folder: Path) -> Iterator[Path]:
 
 def load_text(data_path: str, max_chars: int) -> str:
     """The corpus text, at most max_chars characters; bad paths raise UsageError."""
+    files: Iterable[Path]
     if data_path:
         path = checked(data_path, "data.path", "a UTF-8 text file or a folder of them", ("file", "folder"))
         files, strict = _text_files(path), True

@@ -3,10 +3,26 @@
 collective: every rank runs the same step at the same moment (ddp, zero1, fsdp, tp, meshes).
 pipeline: stages on different ranks, micro-batches in flight, still in lockstep.
 ps: parameter servers and workers, whose ranks play roles and do not run in lockstep; the
-loop runs it a segment of steps at a time (`Engine.run_segment`).
+loop runs it a segment of steps at a time (`SegmentEngine.run_segment`).
+
+Every engine class named here is a `StepEngine`, and a `LockstepEngine` or (ps) a
+`SegmentEngine`: what the loop and the services call on it is that protocol, not the class.
 """
 
-from gradmesh.engine.base import Engine, Job, StepOutcome, StepProbe, lr_factor, peak_memory_bytes
+from typing import TYPE_CHECKING
+
+from gradmesh.engine.base import (
+    Engine,
+    Job,
+    LockstepEngine,
+    SegmentEngine,
+    StepEngine,
+    StepOutcome,
+    StepProbe,
+    lr_factor,
+    peak_memory_bytes,
+    scheduled_lr,
+)
 
 ENGINES = {
     "collective": "gradmesh.engine.collective:CollectiveEngine",
@@ -14,11 +30,38 @@ ENGINES = {
     "ps": "gradmesh.engine.ps:ParameterServerEngine",
 }
 
+if TYPE_CHECKING:  # each family meets its protocol (mypy says where one does not)
+    from gradmesh.engine.collective import CollectiveEngine
+    from gradmesh.engine.pipeline import PipelineEngine
+    from gradmesh.engine.ps import ParameterServerEngine
 
-def build_engine(topology, plan, model, job: Job) -> Engine:
+    def _collective(engine: CollectiveEngine) -> LockstepEngine:
+        return engine
+
+    def _pipeline(engine: PipelineEngine) -> LockstepEngine:
+        return engine
+
+    def _ps(engine: ParameterServerEngine) -> SegmentEngine:
+        return engine
+
+
+def build_engine(topology, plan, model, job: Job) -> StepEngine:
     from gradmesh.parallel.registry import load
 
     return load(ENGINES[plan.engine])(topology, plan, model, job)
 
 
-__all__ = ["ENGINES", "Engine", "Job", "StepOutcome", "StepProbe", "build_engine", "lr_factor", "peak_memory_bytes"]
+__all__ = [
+    "ENGINES",
+    "Engine",
+    "Job",
+    "LockstepEngine",
+    "SegmentEngine",
+    "StepEngine",
+    "StepOutcome",
+    "StepProbe",
+    "build_engine",
+    "lr_factor",
+    "peak_memory_bytes",
+    "scheduled_lr",
+]

@@ -17,21 +17,71 @@ micro-batches, or a short last batch of an epoch.
 """
 
 import dataclasses
+from pathlib import Path
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from gradmesh.comm import hooks
+from gradmesh.comm.reducer import Reducer
 from gradmesh.data import GlobalBatch
 from gradmesh.engine import nonfinite
 from gradmesh.engine.nonfinite import Finding
-from gradmesh.engine.records import Job, StepOutcome, StepProbe, lr_factor, peak_memory_bytes, to_device  # noqa: F401
+from gradmesh.engine.records import (  # noqa: F401
+    Job,
+    StepOutcome,
+    StepProbe,
+    clipped_step,
+    lr_factor,
+    peak_memory_bytes,
+    scheduled_lr,
+    to_device,
+)
 from gradmesh.parallel.compose import apply_plan, gradient_sync
 from gradmesh.parallel.options import DEFAULT_BUCKET_MB, ApplyOptions
 from gradmesh.parallel.registry import Plan, load
 from gradmesh.parallel.state import model_state_bytes
 from gradmesh.topology import Topology
+
+
+class StepEngine(Protocol):
+    """What the training loop and the services call on an engine, whatever its family. One in
+    lockstep is also a `LockstepEngine`, one whose ranks do not step together (`lockstep` False)
+    a `SegmentEngine`: the loop and the services call the rest only after checking `lockstep`."""
+
+    lockstep: bool
+    plan: Plan
+    model: nn.Module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+    def rebuild(self, topology: Topology) -> None: ...
+    def start(self, run_dir: Path | None, show: bool) -> None: ...
+    def checkpoint_state(self, for_load: bool = False) -> dict: ...
+    def install_checkpoint(self, payload: dict) -> None: ...
+    def eval_model(self) -> nn.Module | None: ...
+    def eval_done(self) -> None: ...
+    def full_state(self) -> dict[str, torch.Tensor]: ...
+    def replica(self) -> nn.Module | None: ...
+
+
+class LockstepEngine(StepEngine, Protocol):
+    """Every rank runs the same step at the same moment (collective and pipeline engines)."""
+
+    def step(self, batch: GlobalBatch, probe: StepProbe) -> StepOutcome: ...
+    def abandon_step(self) -> None: ...
+    def rebucket(self, bucket_mb: float) -> bool: ...
+
+
+class SegmentEngine(StepEngine, Protocol):
+    """An engine whose ranks do not step together: the loop hands it a segment of global batches
+    and the services then see each of its steps (`gradmesh.loop.trainer`, in-place recovery)."""
+
+    def run_segment(self, batches: list[GlobalBatch], probe: StepProbe) -> list[tuple[StepOutcome, float]]: ...
+    def work_segment(self, batches: list[GlobalBatch], probe: StepProbe) -> Any: ...
+    def report_segment(self, done: Any) -> list[tuple[StepOutcome, float]]: ...
 
 
 class Engine:
@@ -42,7 +92,7 @@ class Engine:
     def __init__(self, topology: Topology, plan: Plan, model: nn.Module, job: Job):
         self.topology, self.plan, self.job, self.plain = topology, plan, job, model
         self.options = ApplyOptions(
-            reducer=job.reducer,
+            reducer=cast(Reducer, job.reducer),  # the Trainer builds every job with its reducer
             bucket_mb=job.train.bucket_mb or DEFAULT_BUCKET_MB,
             counter=job.counter,
             compression=job.train.compression,
@@ -68,9 +118,7 @@ class Engine:
         if found is not None:  # no rank applies any of it, whatever the policy then does
             return self._unapplied(batch, lr, loss_sum, counted, indices, found)
         with probe.clock.phase("optimizer"):
-            if self.job.train.grad_clip:
-                self.clip(self.job.train.grad_clip)
-            self.optimizer.step()
+            clipped_step(self.optimizer, self.clip, self.job.train.grad_clip)
         probe.beat(3)
         # Measured here, where parameters, gradients and optimizer state all exist.
         figures = torch.tensor(
@@ -93,8 +141,9 @@ class Engine:
     def carry_verdict(self, loss_sum: torch.Tensor) -> None:
         """Before the backward that reduces the gradients: hand DDP's hook this rank's loss so far
         (`gradmesh.comm.hooks`), where that all-reduce can carry it to every rank."""
-        if self._carried():
-            hooks.state_of(self.model).poison = loss_sum.detach() * 0
+        state = hooks.state_of(self.model)
+        if state is not None and self._carried():
+            state.poison = loss_sum.detach() * 0
 
     def _carried(self) -> bool:
         """The gradients are all-reduced over every rank by DDP's hook with a reducer that keeps a
@@ -128,9 +177,8 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _set_lr(self, step: int) -> float:
-        factor = lr_factor(step, self.job.train)
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * factor
+            group["lr"] = scheduled_lr(base, step, self.job.train)
         return self.optimizer.param_groups[0]["lr"]
 
     def rebucket(self, bucket_mb: float) -> bool:
@@ -185,11 +233,15 @@ class Engine:
         """Collective: a module that evaluates the whole model on this rank."""
         return self.model
 
+    def eval_done(self) -> None:
+        """After `eval_model`'s evaluation (engines whose evaluation other ranks serve release them)."""
+
     def full_state(self) -> dict[str, torch.Tensor]:
         """Collective: the whole unsharded model state on CPU, named as in the plain model."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return cast(dict[str, torch.Tensor], full)
 
     def replica(self) -> nn.Module | None:
         """The module whose parameters every rank holds identically, when the plan replicates."""

@@ -50,7 +50,9 @@ class PipelineEngine(Engine):
         with probe.clock.phase("data"):
             weights = torch.tensor([self.weight / batch.size] * len(indices) + [0.0] * pad, device=topo.device)
             inputs, targets = to_device(fetch(self.job.dataset, indices + [batch.indices[0]] * pad), topo.device)
-        with self.sync(last_micro_batch=True), probe.clock.phase("forward"), watched_p2p(self.job.counter, probe.clock):
+        counter = self.job.counter
+        assert counter is not None, "the trainer gives every job its counter"
+        with self.sync(last_micro_batch=True), probe.clock.phase("forward"), watched_p2p(counter, probe.clock):
             probe.in_forward()
             loss_sum = torch.tensor(self.pipeline.step(inputs, targets, weights))
         return loss_sum, len(indices) if self.pipeline.is_last else 0, indices

@@ -3,23 +3,28 @@ and the small functions of a step every family shares (the lr schedule, peak mem
 
 import math
 import resource
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Sized
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from gradmesh.config import TrainConfig
+from gradmesh.comm import CommCounter, Reducer
+from gradmesh.config import PSConfig, TrainConfig
 from gradmesh.data import GlobalBatch
 from gradmesh.engine.nonfinite import Finding
-from gradmesh.monitor.breakdown import NullClock
+from gradmesh.monitor.breakdown import NullClock, StepClock
+
+Forward = Callable[[int], AbstractContextManager[object]]
+"""The context a micro-batch's forward pass of N samples runs in (`StepProbe.around_forward`)."""
 
 
 def _nothing(*args) -> None:
     return None
 
 
-def _unmeasured(samples: int):
+def _unmeasured(samples: int) -> AbstractContextManager[object]:
     return nullcontext()
 
 
@@ -32,7 +37,7 @@ class StepProbe:
     """What a step reports to while it runs: the phase clock, the watchdog's heartbeat
     (phase 1 after forward, 2 after backward, 3 after the optimizer) and injected delays."""
 
-    clock: object = field(default_factory=NullClock)
+    clock: StepClock | NullClock = field(default_factory=NullClock)
     beat: Callable[..., None] = _nothing
     in_forward: Callable[[], None] = _nothing
     """Called inside the first micro-batch's forward phase (an injected straggler sleeps here)."""
@@ -42,7 +47,7 @@ class StepProbe:
     reached: Callable[[int], None] = _nothing
     """Called as work on a step starts (an injected kill or hang at that step fires here):
     engines whose ranks do not step together, inside a segment rather than before it."""
-    around_forward: Callable[[int], object] = _unmeasured
+    around_forward: Forward = _unmeasured
     """The context a micro-batch's forward pass of N samples runs in (0 after the first
     micro-batch): --balance's memory guard measures the activations saved for backward there."""
     spoil: Callable = _unchanged
@@ -72,24 +77,35 @@ class StepOutcome:
         return self.batch.step + 1
 
 
+class GroupMembership(Protocol):
+    """What an engine asks of in-place recovery's membership (`gradmesh.fault.inplace.Membership`,
+    which engine/ may not import): who is in the group, who left, a wait that fails on a loss."""
+
+    members: list[int]
+    departed: set[int]
+
+    def wait(self, work: torch.distributed.Work) -> None: ...
+    def evict(self, identity: int) -> None: ...
+
+
 @dataclass(kw_only=True)
 class Job:
     """What every engine is built from besides the plan and the model."""
 
     loss_fn: Callable
-    dataset: object
+    dataset: Sized
+    """Indexable by sample (`gradmesh.data.fetch`) with a length."""
     train: TrainConfig
-    optimizer_class: type
+    optimizer_class: type[torch.optim.Optimizer]
     optimizer_kwargs: dict
     criterion: Callable | None = None
-    reducer: object = None
-    """gradmesh.comm.Reducer: the job's gradient-averaging chain."""
-    counter: object = None
-    """gradmesh.comm.CommCounter of the job."""
-    ps: object = None
-    """gradmesh.config.PSConfig: servers and mode under the parameter-server strategy."""
-    membership: object = None
-    """gradmesh.fault.inplace.Membership under in-place recovery, else None."""
+    reducer: Reducer | None = None
+    """The job's gradient-averaging chain."""
+    counter: CommCounter | None = None
+    ps: PSConfig | None = None
+    """Servers and mode under the parameter-server strategy."""
+    membership: GroupMembership | None = None
+    """Under in-place recovery, else None."""
     step_timeout: float = 0.0
     """--step-timeout: engines whose ranks do not step together apply it to each share of work."""
     on_nonfinite: str = "stop"
@@ -103,6 +119,18 @@ def lr_factor(step: int, train: TrainConfig) -> float:
     progress = min(1.0, (step - train.warmup_steps) / max(1, train.decay_steps - train.warmup_steps))
     floor = train.min_lr / train.lr
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def scheduled_lr(base_lr: float, step: int, train: TrainConfig) -> float:
+    """The learning rate of (0-based) `step` for a parameter group whose configured rate is `base_lr`."""
+    return base_lr * lr_factor(step, train)
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, clip: Callable[[float], None], max_norm: float) -> None:
+    """The optimizer's step on gradients first clipped to `max_norm` by `clip` (0: no clipping)."""
+    if max_norm:
+        clip(max_norm)
+    optimizer.step()
 
 
 def peak_memory_bytes(device: torch.device) -> int:

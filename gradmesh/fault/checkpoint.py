@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gradmesh import manifest
 from gradmesh.fault import safeload
@@ -122,6 +123,8 @@ class Checkpointer:
         self.on_written(step)
         if self.use_async:
             future = dcp.async_save(payload, checkpoint_id=str(tmp), process_group=self.group)
+            # Only a non-blocking stager (none is given) makes it return an AsyncSaveResponse.
+            assert isinstance(future, Future)
             self.pending = (step, state, future)
         else:
             dcp.save(payload, checkpoint_id=str(tmp), process_group=self.group)
@@ -243,7 +246,7 @@ def comm_targets(path: Path, rank: int) -> dict:
     found = {
         key.removeprefix(prefix): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         for key, meta in safeload.read_metadata(path).state_dict_metadata.items()
-        if key.startswith(prefix) and hasattr(meta, "size")
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
     return {f"rank{rank}": found} if found else {}
 
@@ -259,7 +262,7 @@ def shape_mismatches(saved: dict[str, tuple], current: dict[str, tuple]) -> list
     return problems
 
 
-def describe_load_error(path: Path, exc: Exception) -> str:
+def describe_load_error(path: Path, exc: BaseException) -> str:
     text = str(exc)
     if "size mismatch" in text or "shape" in text.lower():
         return f"checkpoint {path} does not fit this model: {text.splitlines()[-1][:400]}"

@@ -8,6 +8,8 @@ and the step records still waiting to be gathered, for which a newcomer has no f
 own (it contributes zeros, which count no samples).
 """
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -29,7 +31,7 @@ def hand_over(
 ) -> list[StepRecord]:
     """Collective over `group` (every member of the new group); returns the records to resend.
     `position`: the sampler state a newcomer starts from."""
-    payload = [None]
+    payload: list[Any] = [None]  # the broadcast puts rank 0's state dict in the slot
     if is_main:
         payload = [
             {

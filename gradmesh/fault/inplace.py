@@ -122,7 +122,7 @@ class RunFinished(Exception):
 class Membership:
     """This worker's view: its identity, the generation it is in, and who is in it."""
 
-    def __init__(self, store, watch_store=None):
+    def __init__(self, store, watch_store=None) -> None:
         self.store = store
         self.identity = env.placement().rank
         self.generation, self.members = 0, members_of(store, 0) if not joining() else []
@@ -165,7 +165,7 @@ class Membership:
 
     def guard(self, future: torch.futures.Future) -> torch.futures.Future:
         """A future for an async collective's result that also fails when a member is lost."""
-        guarded = torch.futures.Future()
+        guarded: torch.futures.Future = torch.futures.Future()
 
         def settle(done):
             with self.lock:

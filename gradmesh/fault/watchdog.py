@@ -138,6 +138,8 @@ class Watchdog:
 
     def _others(self) -> dict[int, int]:
         progress = {self.rank: self.progress}
+        if self.watch_store is None:
+            return progress  # outside a launched job no other rank's progress can be read
         for rank in self.ranks:
             try:
                 progress[rank] = int(self.watch_store.get(f"{self.prefix}progress/{rank}"))

@@ -28,6 +28,11 @@ def _describe(identity: int, code: int) -> str:
 
 
 class _Launcher:
+    evictions: int
+    """Eviction requests seen so far (`run` starts the count)."""
+    evicted: set[int]
+    """Identities stopped for a hang, so they are not stopped twice."""
+
     def __init__(
         self,
         nproc: int,

@@ -17,12 +17,15 @@ alerts.jsonl. Under auto and static alike, no share exceeds what its rank's memo
 (`gradmesh.loop.memory_guard`); a cap that binds is reported the same way.
 """
 
+from typing import Protocol, cast
+
 import torch
 import torch.distributed as dist
 
 from gradmesh.config.balance import parse_balance
 from gradmesh.loop.memory_guard import ActivationMeter, capped, sample_caps
 from gradmesh.loop.services import RunContext, Service
+from gradmesh.monitor.monitor import Monitor
 from gradmesh.topology import available_bytes
 
 EVERY = 5
@@ -31,11 +34,27 @@ SMOOTH = 0.5
 HYSTERESIS = 0.02
 
 
+class MeasuredWork(Protocol):
+    """What balancing reads of step reporting (`gradmesh.loop.reporting.Reporting`): this rank's
+    measured work in the last step, and the monitor its alerts go to."""
+
+    @property
+    def work_s(self) -> float | None: ...
+    @property
+    def monitor(self) -> Monitor: ...
+
+
 class Balancing(Service):
     lockstep = True
 
     def __init__(
-        self, ctx: RunContext, reporting, sampler, balance: str, grad_accum: int = 1, free_memory=lambda: None
+        self,
+        ctx: RunContext,
+        reporting: MeasuredWork,
+        sampler,
+        balance: str,
+        grad_accum: int = 1,
+        free_memory=lambda: None,
     ):
         """free_memory: bytes this rank is told it has free (an injected fault), or None."""
         self.ctx, self.reporting, self.sampler = ctx, reporting, sampler
@@ -80,7 +99,7 @@ class Balancing(Service):
         if self.ctx.is_main:
             self._tell(outcome.step, new, times)
             for rank in sorted(newly):
-                self._tell_cap(outcome.step, rank, caps[rank], per_sample[rank], free[rank])
+                self._tell_cap(outcome.step, rank, cast(int, caps[rank]), per_sample[rank], free[rank])  # bound: capped
 
     def _target(self, current: tuple[float, ...], times: list[float]) -> tuple[float, ...]:
         """auto: each share scaled towards equal work times, smoothed with the current ones."""

@@ -11,9 +11,11 @@ not the arithmetic.
 
 import json
 import statistics
+from typing import cast
 
+from gradmesh.engine import LockstepEngine
 from gradmesh.files import atomic_write
-from gradmesh.loop.services import RunContext, Service, largest
+from gradmesh.loop.services import Notes, RunContext, Service, largest
 
 CANDIDATES_MB = (1.0, 5.0, 25.0, 100.0)
 TRIAL = 3
@@ -30,11 +32,15 @@ def candidates(model_mb: float) -> list[float]:
 class BucketTuning(Service):
     lockstep = True
 
-    def __init__(self, ctx: RunContext, reporting, max_steps: int):
+    def __init__(self, ctx: RunContext, reporting: Notes, max_steps: int):
         self.ctx, self.reporting, self.max_steps = ctx, reporting, max_steps
         self.sizes: list[float] = []
         self.timings: dict[float, list[float]] = {}
         self.first = 0
+
+    def _engine(self) -> LockstepEngine:
+        """Bucket tuning runs only with an engine in lockstep (`gradmesh.loop.build`)."""
+        return cast(LockstepEngine, self.ctx.engine)
 
     def start(self, first_step: int) -> None:
         model = self.ctx.engine.model
@@ -57,15 +63,15 @@ class BucketTuning(Service):
             self.timings.setdefault(self.sizes[index], []).append(largest(elapsed, self.ctx.topology.group("dp")))
         following, _ = self._trial(outcome.step + 1)
         if following != index and 0 <= following < len(self.sizes):
-            if not self.ctx.engine.rebucket(self.sizes[following]):
+            if not self._engine().rebucket(self.sizes[following]):
                 self.sizes = []  # no DDP buckets here (a mesh's flat buffer)
         elif following == len(self.sizes) and index == len(self.sizes) - 1:
             self._keep_fastest(outcome.step)
 
     def _keep_fastest(self, step: int) -> None:
         means = {mb: statistics.fmean(times) for mb, times in self.timings.items()}
-        best = min(means, key=means.get)
-        self.ctx.engine.rebucket(best)
+        best = min(means, key=means.__getitem__)
+        self._engine().rebucket(best)
         self.sizes = []
         if self.ctx.is_main:
             record = {

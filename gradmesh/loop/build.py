@@ -1,21 +1,47 @@
 """Assembling a run's monitor, services and step probe from its configuration."""
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gradmesh.chaos import parse_chaos
 from gradmesh.chaos import plan as plan_chaos
 from gradmesh.comm import CommCounter
 from gradmesh.comm.auto import AutoCompression
-from gradmesh.config import FaultConfig, MonitorConfig
+from gradmesh.config import CheckpointConfig, FaultConfig, MonitorConfig, TrainConfig
+from gradmesh.data import GlobalOrderSampler
 from gradmesh.engine import StepProbe
 from gradmesh.fault.inject import Injector, parse_faults
 from gradmesh.loop.checkpointing import Checkpointing
 from gradmesh.loop.nonfinite import NonFinitePolicy
 from gradmesh.loop.reporting import Evaluation, ReplicaCheck, Reporting
-from gradmesh.loop.services import FaultInjection, SampleRecorder, Service, WatchdogService
+from gradmesh.loop.services import FaultInjection, RunContext, SampleRecorder, Service, WatchdogService
 from gradmesh.monitor.breakdown import NullClock
 from gradmesh.monitor.monitor import Monitor
+from gradmesh.parallel.registry import Plan
+
+if TYPE_CHECKING:  # imported only under in-place recovery
+    from gradmesh.fault.inplace import Membership
+    from gradmesh.fault.recovery import InplaceRecovery
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunParts:
+    """What a run's services and its end (`gradmesh.loop.finish`) are built from: the parts of
+    the trainer they read, so that neither needs the trainer."""
+
+    ctx: RunContext
+    train: TrainConfig
+    checkpointing: CheckpointConfig
+    sampler: GlobalOrderSampler
+    monitor: Monitor
+    plan: Plan
+    membership: "Membership | None"
+    run_info: dict
+    eval_fn: Callable | None
+    auto_compression: object
+    """What `gradmesh.comm.compress.reducer_for` chose: an AutoCompression under --compression auto."""
 
 
 @dataclass
@@ -23,8 +49,8 @@ class Services:
     reporting: Reporting
     checkpointing: Checkpointing
     nonfinite: NonFinitePolicy
-    recovery: Service | None = None
-    faults: FaultInjection | None = None
+    faults: FaultInjection
+    recovery: "InplaceRecovery | None" = None
     watchdog: WatchdogService | None = None
     all: list[Service] = field(default_factory=list)
     """In calling order."""
@@ -41,91 +67,91 @@ def monitor(session, config: MonitorConfig | None, run_dir, plan) -> tuple[Monit
     return mon, counter
 
 
-def _injector(trainer, faults: FaultConfig) -> Injector:
+def _injector(parts: RunParts, faults: FaultConfig) -> Injector:
     """--inject's faults, a chaos spec's planned ones among them (the same on every worker)."""
     planned, pace = parse_faults(faults.inject), 0.0
     chaos = parse_chaos(faults.inject)
     if chaos:
-        planned += plan_chaos(chaos, trainer.train.max_steps, trainer.checkpointing.every)
+        planned += plan_chaos(chaos, parts.train.max_steps, parts.checkpointing.every)
         pace = chaos.pace
-    ctx = trainer.ctx  # its topology is renumbered in place by in-place recovery: read it when asked
+    ctx = parts.ctx  # its topology is renumbered in place by in-place recovery: read it when asked
     return Injector(
         planned,
-        trainer.session.identity,
-        trainer.run_dir,
+        ctx.identity,
+        ctx.run_dir,
         pace=pace,
         spare_last=faults.recovery == "inplace",
         position=lambda: (ctx.topology.rank, ctx.topology.world_size),
     )
 
 
-def _checks(trainer, reporting: Reporting, checkpointing: Checkpointing) -> list:
+def _checks(parts: RunParts, reporting: Reporting, checkpointing: Checkpointing) -> list[Service]:
     """The services that look at the model after a step: evaluation, checkpoints, replica checks."""
-    ctx, train = trainer.ctx, trainer.train
-    checks = []
+    ctx, train = parts.ctx, parts.train
+    checks: list[Service] = []
     if train.eval_every:
-        checks.append(Evaluation(ctx, reporting, trainer.eval_fn, train.eval_every, train.max_steps))
+        checks.append(Evaluation(ctx, reporting, parts.eval_fn, train.eval_every, train.max_steps))
     checks.append(checkpointing)
-    if trainer.monitor.clock is not None:
-        checks.append(ReplicaCheck(ctx, reporting, trainer.monitor.config.check_every))
+    if parts.monitor.clock is not None:
+        checks.append(ReplicaCheck(ctx, reporting, parts.monitor.config.check_every))
     return checks
 
 
-def services(trainer, faults: FaultConfig) -> Services:
+def services(parts: RunParts, faults: FaultConfig) -> Services:
     """Every service of a run; the order of `all` is the order they are called in."""
-    ctx, train, session = trainer.ctx, trainer.train, trainer.session
-    injector = _injector(trainer, faults)
-    reporting = Reporting(ctx, trainer.monitor, train.log_every, train.max_steps, session.membership)
-    checkpointing = Checkpointing(
-        ctx,
-        trainer.checkpointing,
-        trainer.sampler,
-        reporting,
-        trainer.run_info,
-        on_written=injector.at_checkpoint,
-        in_place=session.membership is not None,
-    )
+    ctx, train, membership = parts.ctx, parts.train, parts.membership
+    injector = _injector(parts, faults)
+    reporting = Reporting(ctx, parts.monitor, train.log_every, train.max_steps, membership)
     policy = (
         faults.on_nonfinite if ctx.run_dir or faults.on_nonfinite != "rollback" else "stop"
     )  # nothing to go back to
     nonfinite = NonFinitePolicy(ctx, reporting, policy, faults.max_skips, faults.max_restarts, train)
-    checkpointing.policy = nonfinite
-    found = Services(reporting, checkpointing, nonfinite, faults=FaultInjection(ctx, injector))
+    checkpointing = Checkpointing(
+        ctx,
+        parts.checkpointing,
+        parts.sampler,
+        reporting,
+        parts.run_info,
+        nonfinite,
+        on_written=injector.at_checkpoint,
+        in_place=membership is not None,
+    )
+    found = Services(reporting, checkpointing, nonfinite, FaultInjection(ctx, injector))
     found.faults.work = lambda: reporting.busy_s
-    if faults.step_timeout != 0 and trainer.engine.lockstep:  # other engines time each share themselves
+    if faults.step_timeout != 0 and ctx.engine.lockstep:  # other engines time each share themselves
         from gradmesh.fault.watchdog import Watchdog
 
-        watchdog = Watchdog(faults.step_timeout, session.identity, trainer.topo.world_size, trainer.run_dir)
-        found.watchdog = WatchdogService(watchdog, session.membership)
-    if session.membership:
+        watchdog = Watchdog(faults.step_timeout, ctx.identity, ctx.topology.world_size, ctx.run_dir)
+        found.watchdog = WatchdogService(watchdog, membership)
+    if membership:
         from gradmesh.fault.recovery import InplaceRecovery
 
-        found.recovery = InplaceRecovery(ctx, session.membership, trainer.sampler, reporting, train.max_steps)
-    recorder = [SampleRecorder(ctx)] if train.record_samples else []
-    checks = _tuning(trainer, reporting, injector) + _checks(trainer, reporting, checkpointing)
-    found.all = (
-        [s for s in (found.watchdog, found.faults, reporting, nonfinite, found.recovery) if s] + recorder + checks
-    )
+        found.recovery = InplaceRecovery(ctx, membership, parts.sampler, reporting, train.max_steps)
+    recorder: list[Service] = [SampleRecorder(ctx)] if train.record_samples else []
+    checks = _tuning(parts, reporting, injector) + _checks(parts, reporting, checkpointing)
+    first: list[Service | None] = [found.watchdog, found.faults, reporting, nonfinite, found.recovery]
+    found.all = [s for s in first if s] + recorder + checks
     if found.recovery:
         found.recovery.services = [s for s in found.all if s is not found.recovery]
     return found
 
 
-def _tuning(trainer, reporting: Reporting, injector: Injector) -> list[Service]:
+def _tuning(parts: RunParts, reporting: Reporting, injector: Injector) -> list[Service]:
     """What adjusts the run as it goes, from measurements: compression, bucket size, shares."""
-    ctx, train, found = trainer.ctx, trainer.train, []
-    if isinstance(trainer.auto_compression, AutoCompression):
+    ctx, train = parts.ctx, parts.train
+    found: list[Service] = []
+    if isinstance(parts.auto_compression, AutoCompression):
         from gradmesh.loop.compression import CompressionChoice
 
-        found.append(CompressionChoice(ctx, reporting, trainer.auto_compression, trainer.plan.engine != "ps"))
-    if not train.bucket_mb and trainer.engine.lockstep:
+        found.append(CompressionChoice(ctx, reporting, parts.auto_compression, not parts.plan.has_servers))
+    if not train.bucket_mb and ctx.engine.lockstep:
         from gradmesh.loop.buckets import BucketTuning
 
         found.append(BucketTuning(ctx, reporting, train.max_steps))
     if train.balance != "off":
         from gradmesh.loop.balance import Balancing
 
-        found.append(Balancing(ctx, reporting, trainer.sampler, train.balance, train.grad_accum, injector.free_memory))
+        found.append(Balancing(ctx, reporting, parts.sampler, train.balance, train.grad_accum, injector.free_memory))
     return found
 
 
@@ -140,5 +166,6 @@ def probe(mon: Monitor, found: Services) -> StepProbe:
         spoil=found.faults.injector.spoil,
     )
     for service in found.all:
-        made.around_forward = getattr(service, "around_forward", made.around_forward)  # --balance's memory guard
+        if service.around_forward is not None:  # --balance's memory guard
+            made.around_forward = service.around_forward
     return made

@@ -8,6 +8,8 @@ from gradmesh import rundir
 from gradmesh.config import CheckpointConfig
 from gradmesh.data import GlobalOrderSampler
 from gradmesh.fault import checkpoint
+from gradmesh.loop.nonfinite import NonFinitePolicy
+from gradmesh.loop.reporting import Reporting
 from gradmesh.loop.services import RunContext, Service
 
 
@@ -19,8 +21,9 @@ class Checkpointing(Service):
         ctx: RunContext,
         config: CheckpointConfig,
         sampler: GlobalOrderSampler,
-        reporting,
+        reporting: Reporting,
         run_info: dict,
+        policy: NonFinitePolicy,
         on_written=lambda step: None,
         in_place: bool = False,
     ):
@@ -28,7 +31,7 @@ class Checkpointing(Service):
         self.run_info, self.on_written = run_info, on_written
         self.in_place = in_place
         """In-place recovery: a worker lost mid-write abandons that checkpoint, not the run."""
-        self.policy = None
+        self.policy = policy
         """--on-nonfinite's service: the batches it skips travel in the checkpoint's state."""
         self.checkpointer = self._checkpointer()
 
@@ -101,21 +104,22 @@ class Checkpointing(Service):
 
     def restore(self, restarted: bool, keep_alerts: bool = False) -> int:
         """Collective: load the newest intact checkpoint when resuming or restarted; the step it holds."""
-        if not ((self.config.resume or restarted) and self.checkpointer):
+        checkpointer, run_dir = self.checkpointer, self.ctx.run_dir
+        if not ((self.config.resume or restarted) and checkpointer and run_dir):  # a checkpointer has a run_dir
             return 0
         # Rank 0 verifies checksums and picks the newest intact checkpoint for everyone.
         chosen = torch.tensor([-1], dtype=torch.int64)
         if self.ctx.is_main:
-            path = checkpoint.latest_good_checkpoint(self.ctx.run_dir, warn=self.reporting.note)
+            path = checkpoint.latest_good_checkpoint(run_dir, warn=self.reporting.note)
             chosen[0] = int(path.name.split("-")[1]) if path else -1
-        dist.broadcast(chosen, src=0, group=self.checkpointer.group)
+        dist.broadcast(chosen, src=0, group=checkpointer.group)
         if chosen.item() < 0 and restarted and not self.config.resume:
             self._forget_steps_after(0, keep_alerts)  # failed before its first checkpoint: start again
             return 0
         if chosen.item() < 0:
-            raise checkpoint.CheckpointError(f"--resume: no intact checkpoint under {self.ctx.run_dir / 'checkpoints'}")
-        path = checkpoint.checkpoint_root(self.ctx.run_dir) / f"step-{chosen.item()}"
-        state = self.checkpointer.load(path, self.ctx.engine)
+            raise checkpoint.CheckpointError(f"--resume: no intact checkpoint under {run_dir / 'checkpoints'}")
+        path = checkpoint.checkpoint_root(run_dir) / f"step-{chosen.item()}"
+        state = checkpointer.load(path, self.ctx.engine)
         self.sampler.load_state_dict(state["sampler"])
         self.policy.load(state)
         self._forget_steps_after(state["step"], keep_alerts)
@@ -129,6 +133,8 @@ class Checkpointing(Service):
         """Records of steps after the checkpoint go: the resumed run does them again, once (a
         rollback keeps its alerts: they say why the steps are done again)."""
         run_dir, me = self.ctx.run_dir, self.ctx.identity
+        if run_dir is None:  # only a run with a run directory restores
+            return
         shared = ["metrics.jsonl"] + ([] if keep_alerts else ["alerts.jsonl"]) if self.ctx.is_main else []
         for name in shared + [f"samples-rank{me}.jsonl", f"steps-rank{me}.jsonl"]:
             rundir.truncate_steps(run_dir / name, step)

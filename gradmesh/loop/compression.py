@@ -5,13 +5,13 @@ import json
 from gradmesh.comm.auto import DECIDE_AFTER, AutoCompression, decide, probe_bandwidth
 from gradmesh.comm.compress import reducer_for
 from gradmesh.files import atomic_write
-from gradmesh.loop.services import RunContext, Service, largest
+from gradmesh.loop.services import Notes, RunContext, Service, largest
 
 
 class CompressionChoice(Service):
     lockstep = True
 
-    def __init__(self, ctx: RunContext, reporting, auto: AutoCompression, feedback_ok: bool):
+    def __init__(self, ctx: RunContext, reporting: Notes, auto: AutoCompression, feedback_ok: bool):
         self.ctx, self.reporting, self.auto, self.feedback_ok = ctx, reporting, auto, feedback_ok
         self.at = DECIDE_AFTER
 

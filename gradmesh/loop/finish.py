@@ -2,12 +2,14 @@
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from gradmesh.engine import peak_memory_bytes
 from gradmesh.files import atomic_write, replacing
+from gradmesh.loop.build import RunParts, Services
 from gradmesh.loop.nonfinite import NonFiniteError
 from gradmesh.loop.reporting import evaluate
 
@@ -37,14 +39,29 @@ def _refuse_nonfinite(weights: dict[str, torch.Tensor], step: int) -> None:
         raise NonFiniteError(message)
 
 
-def finish_run(trainer, start_step: int, wall: float) -> dict:
+def _write(run_dir: Path, weights: dict[str, torch.Tensor], summary: dict, step: int) -> None:
+    """Rank 0: model.safetensors (refused where the weights are not finite), then summary.json."""
+    from safetensors.torch import save_file
+
+    _refuse_nonfinite(weights, step)
+
+    with replacing(run_dir / "model.safetensors") as tmp:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
+    atomic_write(run_dir / "summary.json", json.dumps(summary, indent=1))
+
+
+def finish_run(
+    parts: RunParts, services: Services, start_step: int, samples_at_start: int, wall: float
+) -> tuple[dict, dict[str, torch.Tensor] | None]:
     """Collective: evaluate, checkpoint the last step, gather the final weights; rank 0 writes
-    model.safetensors and summary.json. Returns the summary."""
-    topo, train, reporting = trainer.topo, trainer.train, trainer.services.reporting
-    eval_metrics = evaluate(trainer.ctx, trainer.eval_fn)
+    model.safetensors and summary.json. Returns the summary and, on rank 0, the final weights.
+    samples_at_start: the samples consumed by the steps before `start_step`."""
+    ctx, train, reporting = parts.ctx, parts.train, services.reporting
+    topo, run_dir = ctx.topology, ctx.run_dir
+    eval_metrics = evaluate(ctx, parts.eval_fn)
     steps = train.max_steps - start_step
-    trainer.services.checkpointing.finish_run(train.max_steps, steps)
-    weights = trainer.engine.full_state()
+    services.checkpointing.finish_run(train.max_steps, steps)
+    weights = ctx.engine.full_state()
     last, train_time = reporting.totals.last, reporting.train_time
     summary = {
         "steps": train.max_steps,
@@ -52,28 +69,21 @@ def finish_run(trainer, start_step: int, wall: float) -> dict:
         "samples": reporting.samples,
         "wall_s": wall,
         "train_s": train_time,
-        "samples_per_s": (reporting.samples - trainer.samples_before(start_step)) / train_time if train_time else 0.0,
+        "samples_per_s": (reporting.samples - samples_at_start) / train_time if train_time else 0.0,
         "final_loss": _last_loss(reporting.totals.recent),
         "eval": eval_metrics,
         "world_size": topo.world_size,
-        "strategy": trainer.plan.label,
+        "strategy": parts.plan.label,
         "peak_memory_bytes": _peak_memory(topo),
         "model_state_bytes": last["model_state_bytes"] if last else [],
-        "run_dir": str(trainer.run_dir) if trainer.run_dir else "",
-        **trainer.run_info,
-        **(trainer.monitor.summary(reporting.totals) if topo.is_main else {}),
+        "run_dir": str(run_dir) if run_dir else "",
+        **parts.run_info,
+        **(parts.monitor.summary(reporting.totals) if topo.is_main else {}),
         **reporting.totals.staleness(),
     }
-    trainer.final_weights = weights if topo.is_main else None
-    if trainer.services.nonfinite.skipped:
-        summary["nonfinite_skipped_steps"] = trainer.services.nonfinite.skipped
-    if topo.is_main and trainer.run_dir:
-        from safetensors.torch import save_file
-
-        _refuse_nonfinite(weights, train.max_steps)
-
-        with replacing(trainer.run_dir / "model.safetensors") as tmp:
-            save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
-        atomic_write(trainer.run_dir / "summary.json", json.dumps(summary, indent=1))
-    trainer.monitor.close()
-    return summary
+    if services.nonfinite.skipped:
+        summary["nonfinite_skipped_steps"] = services.nonfinite.skipped
+    if topo.is_main and run_dir:
+        _write(run_dir, weights, summary, train.max_steps)
+    parts.monitor.close()
+    return summary, weights if topo.is_main else None

@@ -80,13 +80,13 @@ def capped(shares: tuple[float, ...], caps: list[int | None], batch: int) -> tup
     limits = [1.0 if c is None else c / batch for c in caps]
     if sum(limits) < 1:
         return tuple(x / sum(limits) for x in limits), {r for r, c in enumerate(caps) if c is not None}
-    shares, bound = list(shares), set()
-    while over := [r for r, s in enumerate(shares) if r not in bound and s > limits[r] + 1e-12]:
+    moved, bound = list(shares), set()
+    while over := [r for r, s in enumerate(moved) if r not in bound and s > limits[r] + 1e-12]:
         bound.update(over)
         for r in over:
-            shares[r] = limits[r]
-        free = [r for r in range(len(shares)) if r not in bound]
-        rest, weight = 1 - sum(shares[r] for r in bound), sum(shares[r] for r in free)
+            moved[r] = limits[r]
+        free = [r for r in range(len(moved)) if r not in bound]
+        rest, weight = 1 - sum(moved[r] for r in bound), sum(moved[r] for r in free)
         for r in free:
-            shares[r] = rest * shares[r] / weight if weight > 0 else rest / len(free)
-    return tuple(shares), bound
+            moved[r] = rest * moved[r] / weight if weight > 0 else rest / len(free)
+    return tuple(moved), bound

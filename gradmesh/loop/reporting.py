@@ -3,7 +3,7 @@ the progress bar, and the replica check and evaluation that share the reporter's
 
 import torch
 
-from gradmesh.loop.services import RunContext, Service
+from gradmesh.loop.services import Notes, RunContext, Service
 from gradmesh.monitor import consistency, trace
 from gradmesh.monitor.breakdown import FIGURES
 from gradmesh.monitor.monitor import Monitor
@@ -131,9 +131,7 @@ def evaluate(ctx: RunContext, eval_fn) -> dict:
     with torch.no_grad():
         metrics = eval_fn(model)
     model.train(was_training)
-    done = getattr(ctx.engine, "eval_done", None)  # engines whose evaluation others serve
-    if done:
-        done()
+    ctx.engine.eval_done()  # engines whose evaluation others serve release them
     return metrics
 
 
@@ -142,7 +140,7 @@ class Evaluation(Service):
 
     lockstep = True
 
-    def __init__(self, ctx: RunContext, reporting: Reporting, eval_fn, every: int, max_steps: int):
+    def __init__(self, ctx: RunContext, reporting: Notes, eval_fn, every: int, max_steps: int):
         self.ctx, self.reporting, self.eval_fn = ctx, reporting, eval_fn
         self.every, self.max_steps = every, max_steps
 

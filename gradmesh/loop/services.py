@@ -5,14 +5,18 @@ group, and at the end. A service that runs a collective (the metrics gather, che
 replica check, evaluation) needs every rank at the same step and says so (`lockstep`). An engine
 whose ranks do not step together runs segments of steps and reports each segment's steps to
 the services afterwards on every rank; a service makes a segment end where it needs the model
-exactly as it is after a step (`wants_all_ranks`).
+exactly as it is after a step (`wants_all_ranks`). A service may also measure inside the
+step's forward pass by giving `around_forward` (the step probe uses the last one given).
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-from gradmesh.engine import Engine, StepOutcome
+from gradmesh.engine import StepEngine, StepOutcome
+from gradmesh.engine.records import Forward
 from gradmesh.files import open_append
 from gradmesh.topology import Topology
 
@@ -22,7 +26,7 @@ class RunContext:
     """What services share: where the run is and who this worker is."""
 
     topology: Topology
-    engine: Engine
+    engine: StepEngine
     run_dir: Path | None
     identity: int
     """The rank this worker was started as (kept when in-place recovery renumbers ranks)."""
@@ -31,6 +35,13 @@ class RunContext:
     @property
     def is_main(self) -> bool:
         return self.topology.is_main
+
+
+class Notes(Protocol):
+    """What a service that only tells the user something needs of step reporting
+    (`gradmesh.loop.reporting.Reporting`): a line shown beside the progress bar."""
+
+    def note(self, text: str) -> None: ...
 
 
 def largest(value: float, group) -> float:
@@ -46,6 +57,9 @@ def largest(value: float, group) -> float:
 class Service:
     lockstep = False
     """True: calls a collective, so every rank must reach the same step."""
+    around_forward: Forward | None = None
+    """The context each micro-batch's forward pass runs in (`StepProbe.around_forward`), for a
+    service that measures there (--balance's memory guard); None: this service does not."""
 
     def start(self, first_step: int) -> None:
         """After the run directory is prepared and any checkpoint loaded."""
@@ -99,7 +113,7 @@ class FaultInjection(Service):
     def __init__(self, ctx: RunContext, injector):
         self.ctx, self.injector = ctx, injector
         self.slept = self.own_time = self.previous_sleep = 0.0
-        self.work = lambda: None
+        self.work: Callable[[], float | None] = lambda: None
         """This rank's busy time in the last step (its step less the time it waited), where
         measured: a straggler is slower at its own work, so its delay follows its own share
         (--balance), not the whole step it waits in."""

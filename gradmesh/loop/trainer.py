@@ -15,6 +15,7 @@ and weights every sample exactly (`gradmesh.engine.base`).
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from gradmesh.comm import build_reducer
 from gradmesh.comm.compress import reducer_for
 from gradmesh.config import CheckpointConfig, FaultConfig, MonitorConfig, PSConfig, TrainConfig
 from gradmesh.data import GlobalOrderSampler
-from gradmesh.engine import Job, build_engine, lr_factor
+from gradmesh.engine import Job, LockstepEngine, SegmentEngine, StepEngine, build_engine, scheduled_lr
 from gradmesh.errors import UsageError
 from gradmesh.loop import build
 from gradmesh.loop.finish import finish_run
@@ -34,6 +35,9 @@ from gradmesh.loop.services import RunContext, largest
 from gradmesh.loop.session import Session, init
 from gradmesh.monitor.progress import print_summary
 from gradmesh.parallel.registry import resolve
+
+if TYPE_CHECKING:  # imported only under in-place recovery
+    from gradmesh.fault.recovery import InplaceRecovery
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
 OptimizerSpec = tuple[type[torch.optim.Optimizer], dict]
@@ -83,10 +87,13 @@ class Trainer:
         self.engine = build_engine(self.topo, self.plan, model, job)
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
         self.ctx = RunContext(self.topo, self.engine, self.run_dir, session.identity, quiet)
-        self.services = build.services(self, faults)
+        self.parts = self._parts()
+        self.services = build.services(self.parts, faults)
         self.probe = build.probe(self.monitor, self.services)
-        self.stepper = self.services.recovery or self.engine
+        # In-place recovery wraps the engine's step and run_segment alike.
+        self.stepper: StepEngine | InplaceRecovery = self.services.recovery or self.engine
         if session.joined:  # a replacement: the state comes from a live peer
+            assert self.services.recovery is not None  # a replacement joins only under in-place recovery
             self.services.recovery.after_regroup([])
 
     def _job(self, loss_fn: LossFn, dataset, optimizer, criterion, ps, faults: FaultConfig) -> Job:
@@ -109,12 +116,28 @@ class Trainer:
             on_nonfinite=faults.on_nonfinite,
         )
 
+    def _parts(self) -> build.RunParts:
+        """What the services and the end of the run read of this trainer."""
+        return build.RunParts(
+            ctx=self.ctx,
+            train=self.train,
+            checkpointing=self.checkpointing,
+            sampler=self.sampler,
+            monitor=self.monitor,
+            plan=self.plan,
+            membership=self.session.membership,
+            run_info=self.run_info,
+            eval_fn=self.eval_fn,
+            auto_compression=self.auto_compression,
+        )
+
     @property
     def model(self) -> nn.Module:
         return self.engine.model
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """None on a parameter server's worker that holds no dense replica."""
         return self.engine.optimizer
 
     @property
@@ -129,7 +152,10 @@ class Trainer:
         (self._run_in_lockstep if self.engine.lockstep else self._run_in_segments)(start_step)
         for service in self.services.all:
             service.finish()
-        self.summary = finish_run(self, start_step, time.perf_counter() - wall_start)
+        wall = time.perf_counter() - wall_start
+        self.summary, self.final_weights = finish_run(
+            self.parts, self.services, start_step, self.samples_before(start_step), wall
+        )
         return self.summary
 
     def _run_in_lockstep(self, start_step: int) -> None:
@@ -141,10 +167,10 @@ class Trainer:
             batch = self.sampler.next_global()
             tic = time.perf_counter()
             if step in policy.batches_to_skip:
-                lr = self.train.lr * lr_factor(batch.step, self.train)
+                lr = scheduled_lr(self.train.lr, batch.step, self.train)
                 outcome = policy.skipped_outcome(batch, lr, torch.zeros(4, dtype=torch.float64))
             else:
-                outcome = self.stepper.step(batch, self.probe)
+                outcome = cast(LockstepEngine, self.stepper).step(batch, self.probe)
             elapsed = time.perf_counter() - tic
             try:
                 for service in self.services.all:
@@ -165,7 +191,7 @@ class Trainer:
                 for service in self.services.all:
                     service.before_step(number)
                 batches.append(self.sampler.next_global())
-            for outcome, elapsed in self.stepper.run_segment(batches, self.probe):
+            for outcome, elapsed in cast(SegmentEngine, self.stepper).run_segment(batches, self.probe):
                 for service in self.services.all:
                     service.after_step(outcome, elapsed)
             step = end

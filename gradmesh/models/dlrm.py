@@ -1,5 +1,11 @@
 """A DLRM-style click model (Naumov et al. 2019): one embedding table per categorical feature, a
-bottom MLP for the dense features, pairwise dot products of all of them, a top MLP to a logit."""
+bottom MLP for the dense features, pairwise dot products of all of them, a top MLP to a logit.
+
+It is a sparse model as the parameter-server strategies ask (`gradmesh.parallel.sparse.SparseModel`:
+`sparse_tables`, `lookups`, `init_rows`), by shape alone: models import nothing of gradmesh."""
+
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -27,7 +33,8 @@ class DLRM(nn.Module):
         self.table_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
         # Given its weight, nn.Embedding skips its initialiser: the first one run on the meta
         # device imports torch._dynamo (0.8 s per process), and these values come from init_rows.
-        self.tables = nn.ModuleList(
+        # ModuleList is not generic in torch's stubs; typed as the sequence of tables it is read as.
+        self.tables: Sequence[nn.Embedding] = nn.ModuleList(  # type: ignore[assignment]
             nn.Embedding(count, dim, _weight=torch.empty(count, dim, device="meta")) for count in rows
         )
         if materialize:
@@ -41,10 +48,11 @@ class DLRM(nn.Module):
         """Initial rows [low, high) of a table, on the CPU: small vectors (std 0.05, as DLRM's
         uniform(±1/sqrt(rows)) keeps them), drawn per block of CHUNK rows from a generator seeded
         by the model's seed, the table and the block, so any range is made without the rest."""
-        dim = self.tables[table].embedding_dim
+        embedding = self.sparse_tables()[table]
+        dim = embedding.embedding_dim
         parts = []
         for block in range(low // CHUNK, (high + CHUNK - 1) // CHUNK):
-            start, end = block * CHUNK, min((block + 1) * CHUNK, self.tables[table].num_embeddings)
+            start, end = block * CHUNK, min((block + 1) * CHUNK, embedding.num_embeddings)
             seed = (self.table_seed + 1_000_003 * table + block) % 2**63
             generator = torch.Generator(device="cpu").manual_seed(seed)
             values = torch.randn(end - start, dim, generator=generator, device="cpu") * 0.05
@@ -53,7 +61,7 @@ class DLRM(nn.Module):
 
     def materialize_tables(self) -> None:
         """Every table whole, with its initial values."""
-        for t, table in enumerate(self.tables):
+        for t, table in enumerate(self.sparse_tables()):
             if table.weight.is_meta:
                 table.weight = nn.Parameter(self.init_rows(t, 0, table.num_embeddings))
 
@@ -61,7 +69,7 @@ class DLRM(nn.Module):
         """The tables that train sparse: a batch touches a few of their rows, so they train
         row-wise (one optimizer accumulator per row) and a parameter server moves only the rows a
         batch looks up. Every other parameter is dense. In the order `lookups` gives their ids."""
-        return list(self.tables)
+        return [cast(nn.Embedding, table) for table in self.tables]
 
     def lookups(self, dense: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
         """The ids each table (in `self.tables` order) looks up in `forward(dense, ids)`: what a

@@ -39,7 +39,7 @@ class StepClock:
     def _reset(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.comm_busy = 0.0
-        self.last_issue = None
+        self.last_issue: float | None = None
         self.nested = 0.0  # waits inside a phase counted as comm instead (pipeline send/recv)
 
     def traces(self, step: int) -> bool:

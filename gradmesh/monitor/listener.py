@@ -26,6 +26,7 @@ import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 IDLE_TIMEOUT_S = 10.0
@@ -118,7 +119,14 @@ class WSGIHandler(OneLineErrors, WSGIRequestHandler):
     pass
 
 
-class CappedServer(ThreadingMixIn):
+if TYPE_CHECKING:
+    # The mixin always sits before a TCPServer (HTTP, WSGI below); typed as one so its super() calls check.
+    from socketserver import TCPServer as _MixedIntoServer
+else:
+    _MixedIntoServer = object
+
+
+class CappedServer(ThreadingMixIn, _MixedIntoServer):
     """A thread per connection, at most MAX_HANDLERS at once; IPv4 or IPv6 by the address."""
 
     daemon_threads = True
@@ -186,6 +194,7 @@ def _busy(request: socket.socket) -> None:
 
 def url(server: HTTPServer) -> str:
     host, port = server.server_address[:2]
+    assert isinstance(host, str)  # an IP server's address is (host, port, ...) with a str host; bytes is AF_UNIX only
     return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
 

@@ -11,11 +11,16 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gradmesh.config import MonitorConfig
 from gradmesh.files import open_append
 from gradmesh.monitor.breakdown import FIGURES, StepClock
 from gradmesh.monitor.stragglers import StragglerDetector, busy_times, imbalance, worker_breakdown
+from gradmesh.parallel.strategy import WORKER_ROLE
+
+if TYPE_CHECKING:
+    from gradmesh.monitor.exporters import PrometheusExporter, TensorBoardExporter
 
 MAX_TRACED_STEPS = 200
 """Every event of a traced step stays in each rank's memory until the end, when rank 0 gathers
@@ -66,7 +71,7 @@ class Monitor:
         self.clock = StepClock(traced_steps(config.trace_steps, warn), counter) if config.enabled else None
         self.detector = StragglerDetector(config.straggler_margin, config.straggler_steps)
         self.steps_file = self.alerts_file = None
-        self.exporters = []
+        self.exporters: list[TensorBoardExporter | PrometheusExporter] = []
         self.alert_count = 0  # the alerts themselves are in alerts.jsonl
 
     def start(self) -> None:
@@ -112,8 +117,8 @@ class Monitor:
         """Rank 0, for each gathered metrics row: imbalance, stragglers, alerts, exporters."""
         breakdown, comparable = (row.get("breakdown") if self.clock is not None else None), self.same_work
         per = "step"
-        if "worker" in row.get("roles", {}):  # parameter-server workers do the same work, compared per sample
-            breakdown, comparable, per = worker_breakdown(row["roles"]["worker"]), True, "sample"
+        if WORKER_ROLE in row.get("roles", {}):  # parameter-server workers do the same work, compared per sample
+            breakdown, comparable, per = worker_breakdown(row["roles"][WORKER_ROLE]), True, "sample"
         if breakdown:
             row["imbalance"] = round(imbalance(busy_times(breakdown)), 4)
             flagged, alerts = self.detector.observe(row["step"], breakdown, per) if comparable else ([], [])

@@ -2,10 +2,10 @@
 
 Each rank keeps its own figures for each step (sum of its samples' losses, model-state bytes,
 peak memory). Every `every` steps one asynchronous all_gather moves the whole batch of steps
-to all ranks, and it is read `every` steps later, when it has long arrived. A collective per
-step — even an async one — cost 2-3% of a DDP step on CPU, measured side by side with plain
-DDP; batched, the cost is spread over `every` steps. metrics.jsonl still gets one object per
-step, written in groups.
+to all ranks, and it is read `every` steps later, when it has long arrived. A collective every
+step, even an async one, costs a measurable share of a DDP step on CPU (docs/benchmarks.md,
+"Gathering per-step figures"); batched, the cost is spread over `every` steps. metrics.jsonl
+still gets one object per step, written in groups.
 """
 
 import json
@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,8 @@ RECENT_ROWS = 1000
 
 class RunTotals:
     """What the summary needs from a run's rows, kept as running totals: a row costs a few KB, so
-    keeping every one grew each rank by ~30 MB per 10,000 steps (benchmarks/bench_long_run.py)."""
+    keeping every one makes a rank's memory grow with the run (docs/benchmarks.md, "Memory over a
+    long run")."""
 
     def __init__(self, recent: int = RECENT_ROWS):
         self.recent: deque[dict] = deque(maxlen=recent)
@@ -104,7 +106,8 @@ class StepReporter:
         """on_row(row) sees (and may add to) each row before it is written: the monitor's hook."""
         """Under in-place recovery: waits on the gather fail at once when a member is lost."""
         self.waiting: list[StepRecord] = []
-        self.in_flight = None
+        # (the records sent, the gather's output buffers, its pending work)
+        self.in_flight: tuple[list[StepRecord], list[torch.Tensor], dist.Work] | None = None
         self.totals = totals if totals is not None else RunTotals()
 
     def add(self, record: StepRecord) -> None:
@@ -153,7 +156,7 @@ class StepReporter:
         # Loss over the samples counted: ranks holding the same loss (tensor parallel) count
         # its samples as often, and pipeline stages before the last count neither.
         counted = figures[:, 1].sum().item()
-        row = {
+        row: dict[str, Any] = {
             "step": record.step,
             "epoch": record.epoch,
             "loss": finite_number(figures[:, 0].sum().item() / counted) if counted else None,

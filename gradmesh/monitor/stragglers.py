@@ -85,14 +85,15 @@ class StragglerDetector:
         """One step's per-rank breakdown -> (stragglers this step, new alerts). `per`: what the
         busy times are of ("sample" for parameter-server workers)."""
         busy = busy_times(breakdown)
-        flagged, alerts = [], []
+        flagged: list[dict] = []
+        alerts: list[dict] = []
         if len(busy) < 2:
             return flagged, alerts
         for rank, mine in enumerate(busy):
             median = statistics.median(b for r, b in enumerate(busy) if r != rank)
             if not self._count(rank, median > 0 and mine > median * (1 + self.margin), breakdown):
                 continue
-            phase = max(PHASE_GROUPS, key=self.excess[rank].get)
+            phase = max(PHASE_GROUPS, key=self.excess[rank].__getitem__)
             excess = mine / median - 1
             flagged.append({"rank": rank, "phase": phase, "excess": round(excess, 3)})
             if rank not in self.reported:

@@ -8,6 +8,7 @@ Times are wall-clock microseconds since the earliest event, so the ranks line up
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -18,10 +19,12 @@ TRACKS = ("steps", "phases", "collectives")
 
 def gather_and_write(events: list[dict], rank: int, world_size: int, group, path: Path | None) -> None:
     """Collective over `group`; rank 0 writes the file."""
-    everyone = [None] * world_size if rank == 0 else None
+    # gather_object fills the slots with each rank's `events` (a list[dict]).
+    everyone: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(events, everyone, dst=0, group=group)
     if rank != 0 or path is None:
         return
+    assert everyone is not None  # made above on rank 0
     start = min((e["ts"] for rank_events in everyone for e in rank_events), default=0.0)
     trace = []
     for r, rank_events in enumerate(everyone):

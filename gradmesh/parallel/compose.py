@@ -15,7 +15,7 @@ from gradmesh.parallel.registry import Plan, Strategy, load
 from gradmesh.topology import Topology
 
 
-def _functions(plan: Plan, row: Strategy) -> tuple[str, str]:
+def _functions(plan: Plan, row: Strategy) -> tuple[str, str | None]:
     if plan.splits_model and not row.splits_model and row.beside_model_parallel:
         return row.beside_model_parallel
     return row.apply, row.sync

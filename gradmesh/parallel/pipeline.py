@@ -23,6 +23,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from gradmesh.errors import UsageError
+from gradmesh.mesh import PP_AXIS
 from gradmesh.parallel.pipeline_profile import profile_units
 from gradmesh.parallel.pipeline_units import CONTAINERS, PIPELINE_UNITS, keep_only, pipeline_units  # noqa: F401
 from gradmesh.plan.partition import UnitCost, balanced_cut, cut_at, stage_load
@@ -57,7 +58,8 @@ class Pipeline:
     """This rank's stages, the schedule that runs them, and the cut that made them."""
 
     def __init__(self, model: nn.Module, topology: Topology, options: PipelineOptions):
-        mesh = topology.mesh["pp"]
+        assert topology.mesh is not None  # a session's topology has its mesh once started
+        mesh = topology.mesh[PP_AXIS]
         self.group, self.pp_rank, pp = mesh.get_group(), mesh.get_local_rank(), mesh.size()
         self.options, self.device = options, topology.device
         self.full = model.to(topology.device)
@@ -78,7 +80,7 @@ class Pipeline:
             for s in stage_ids
         ]
         self.local = keep_only(self.full, set().union(*(self._names(s) for s in stage_ids)))
-        self.local.__dict__["pipeline"] = self  # found again by `pipeline_of` (the pipeline engine)
+        register_pipeline(self.local, self)
         self.is_first = any(stage.is_first for stage in self.stages)
         self.is_last = any(stage.is_last for stage in self.stages)
         held = self.stages if per_rank > 1 else self.stages[0]
@@ -90,6 +92,7 @@ class Pipeline:
         figures = torch.zeros(len(self.units), 2, dtype=torch.float64, device=topology.device)
         if topology.is_main:
             with torch.random.fork_rng(devices=[]):  # rank 0 alone must not move the shared RNG
+                assert options.example is not None  # rank 0 profiles on the example it was given
                 costs = profile_units(
                     self.full, self.units, options.example, options.criterion, options.optimizer_slots, in_flight
                 )
@@ -166,9 +169,22 @@ def apply_pipeline(model: nn.Module, topology: Topology, options) -> nn.Module:
     return Pipeline(model, topology, options.pipeline).local
 
 
-def pipeline_of(model: nn.Module) -> "Pipeline":
-    """The Pipeline that made this stage module (see `apply_pipeline`)."""
-    return model.__dict__["pipeline"]
+_PIPELINE_ATTRIBUTE = "gradmesh_pipeline"
+
+
+def register_pipeline(stage_module: nn.Module, pipeline: Pipeline) -> None:
+    """Record on `stage_module` (what `apply_pipeline` returns) the Pipeline that made it, for
+    `pipeline_of`. A plain attribute, not a module-keyed registry: it lives and dies with the
+    module (in-place recovery drops old stages), and nn.Module keeps non-module attributes out
+    of its children and its state dict."""
+    setattr(stage_module, _PIPELINE_ATTRIBUTE, pipeline)
+
+
+def pipeline_of(stage_module: nn.Module) -> Pipeline:
+    """The Pipeline that made this stage module (`register_pipeline`)."""
+    found = getattr(stage_module, _PIPELINE_ATTRIBUTE)
+    assert isinstance(found, Pipeline)
+    return found
 
 
 def check_pipeline(

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from gradmesh.parallel.pipeline_units import keep_only
+from gradmesh.parallel.state import trained_bytes
 from gradmesh.plan.partition import UnitCost
 
 
@@ -44,7 +45,7 @@ def profile_units(
     views = [keep_only(model, set(names)) for names in units]
     params = {p.data_ptr() for p in model.parameters()}
     inputs, targets = example
-    seconds = [[] for _ in units]
+    seconds: list[list[float]] = [[] for _ in units]
     saved = [0] * len(units)
     for round_ in range(repeats + 1):
         x, record = inputs, []
@@ -78,4 +79,4 @@ def _unit_cost(
     """A unit's median seconds and bytes: weights, gradients and optimizer slots, plus the activations
     of the micro-batches in flight."""
     weights = sum(p.numel() * p.element_size() for p in view.parameters())
-    return UnitCost(name, statistics.median(times), weights * (2 + slots) + activations * in_flight)
+    return UnitCost(name, statistics.median(times), trained_bytes(weights, slots) + activations * in_flight)

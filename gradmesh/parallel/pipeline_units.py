@@ -1,29 +1,58 @@
 """A pipeline's units (a table per model: GPT's embedding, each block, the head) and the shallow
-views that hold only some of them, so parameter names stay those of the plain model."""
+views that hold only some of them, so parameter names stay those of the plain model.
+
+A model can be cut into stages when its class name has a row in `PIPELINE_UNITS` (the explicit
+registration: a `UnitLister` naming its units in forward order) and it has the shape that row
+reads: `BlockStack` for GPT (embeddings, blocks `h`, head), `LayerStack` for the MLP (its
+`layers`), any nn.Sequential itself. Models meet these by shape; they import nothing of gradmesh.
+"""
 
 import copy
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch.nn as nn
 
 from gradmesh.errors import UsageError
 
+UnitLister = Callable[[nn.Module], list[list[str]]]
+"""A model -> the units a stage is made of, in forward order (each a list of submodule names)."""
+
+
+class BlockStack(Protocol):
+    """GPT's shape: embeddings `wte`, `wpe`, `drop`, the blocks `h`, then `ln_f` and `lm_head`."""
+
+    h: nn.ModuleList
+
+
+class LayerStack(Protocol):
+    """A model whose forward runs its `layers` in order."""
+
+    layers: nn.Sequential
+
 
 def _gpt_units(model: nn.Module) -> list[list[str]]:
-    return [["wte", "wpe", "drop"], *[[f"h.{key}"] for key in model.h._modules], ["ln_f", "lm_head"]]
+    blocks = cast(BlockStack, model).h
+    return [["wte", "wpe", "drop"], *[[f"h.{key}"] for key in blocks._modules], ["ln_f", "lm_head"]]
 
 
-def _sequential_units(attr: str) -> Callable[[nn.Module], list[list[str]]]:
-    def units(model: nn.Module) -> list[list[str]]:
-        container = getattr(model, attr) if attr else model
-        prefix = f"{attr}." if attr else ""
-        return [[f"{prefix}{key}"] for key in container._modules]
-
-    return units
+def _layer_units(model: nn.Module) -> list[list[str]]:
+    return [[f"layers.{key}"] for key in cast(LayerStack, model).layers._modules]
 
 
-# model class -> the units a stage is made of, in forward order (each a list of submodule names).
-PIPELINE_UNITS = {"GPT": _gpt_units, "MLP": _sequential_units("layers"), "Sequential": _sequential_units("")}
+def _sequential_units(model: nn.Module) -> list[list[str]]:
+    return [[key] for key in model._modules]
+
+
+PIPELINE_UNITS: dict[str, UnitLister] = {"GPT": _gpt_units, "MLP": _layer_units, "Sequential": _sequential_units}
+"""Model class name -> its units: the models a pipeline can cut."""
+
+if TYPE_CHECKING:
+    from gradmesh.models.gpt import GPT
+    from gradmesh.models.mlp import MLP
+
+    def _shapes(gpt: GPT, mlp: MLP) -> tuple[BlockStack, LayerStack]:
+        return gpt, mlp
 
 
 def pipeline_units(model: nn.Module) -> list[list[str]]:
@@ -47,13 +76,15 @@ def keep_only(module: nn.Module, keep: set[str], prefix: str = "") -> nn.Module:
     become None, which the model's forward skips.
     """
     view = copy.copy(module)
-    children = {}
+    children: dict[str, nn.Module | None] = {}
     for name, child in module._modules.items():
         full = prefix + name
         if full in keep:
             children[name] = child
         elif isinstance(child, CONTAINERS) or any(k.startswith(full + ".") for k in keep):
-            children[name] = keep_only(child, keep, full + ".")  # an empty container iterates as nothing
+            children[name] = keep_only(
+                cast(nn.Module, child), keep, full + "."
+            )  # an empty container iterates as nothing
         elif not isinstance(module, CONTAINERS):
             children[name] = None
     view.__dict__["_modules"] = children

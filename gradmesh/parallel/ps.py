@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from gradmesh.errors import UsageError
+from gradmesh.mesh import PS_AXIS
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ def layout_of(model: nn.Module, servers: int, on_servers: bool = True) -> Layout
 def check_ps(cfg, mesh: dict[str, int], meta_model, hybrid: bool = False) -> None:
     """Before launch: servers and workers both present, shards possible, the batch splittable;
     hybrid: a model with sparse tables, and tables in sync or ssp:K mode."""
-    world, servers, name = mesh["ps"], cfg.ps.servers, cfg.train.strategy
+    world, servers, name = mesh[PS_AXIS], cfg.ps.servers, cfg.train.strategy
     if cfg.train.mesh:
         raise UsageError(
             f"--strategy {name} does not combine with --mesh {cfg.train.mesh!r} (its ranks are servers "

@@ -5,7 +5,9 @@ engine runs it, how it is applied to a plain model (functions named "module:func
 imported on first use, so the CLI reads the table without importing torch), what it checks
 before launch, and its formulas for model-state bytes and bytes on the wire per rank and step.
 The CLI, the composition, checkpoints, monitoring and the planner ask the registry; nothing
-else compares strategy names.
+else compares strategy, engine-family or role names: code elsewhere asks a row's or a `Plan`'s
+capabilities (`runs_lockstep`, `accepts_balance`, `has_servers`, `inplace_recovery`,
+`compressions`, ...), which are decided here (tests/test_architecture.py).
 
 A mesh of several axes resolves to a `Plan`: the rows of its axes in the fixed composition
 order (tensor parallel, then the pipeline split, then data parallelism or sharding).
@@ -15,44 +17,29 @@ row here, and the CLI, checks, checkpoints and formulas pick it up.
 """
 
 from dataclasses import dataclass
+from typing import Any
 
+from gradmesh.config import compression as compressors
 from gradmesh.errors import UsageError
 from gradmesh.mesh import DATA_AXES, parse_mesh
-from gradmesh.parallel.strategy import FP32, ModelSize, Strategy, _all_bytes, _ring, _tp_state, load
+from gradmesh.parallel.prelaunch import check_hybrid, check_pipeline, check_ps, check_tp
+from gradmesh.parallel.strategy import (
+    FP32,
+    SERVER_ROLE,
+    WORKER_ROLE,
+    ModelSize,
+    Strategy,
+    _all_bytes,
+    _ring,
+    _tp_state,
+    load,
+)
 
-
-def _check_tp(cfg, mesh: dict[str, int], meta_model) -> None:
-    from gradmesh.parallel.tensor import check_tp_degree
-
-    check_tp_degree(cfg.model.name, cfg.model.n_head, cfg.model.n_embd, mesh["tp"])
-
-
-def _check_pipeline(cfg, mesh: dict[str, int], meta_model) -> None:
-    from gradmesh.parallel.pipeline import check_pipeline
-
-    train = cfg.train
-    check_pipeline(
-        meta_model(),
-        schedule=train.pp_schedule,
-        microbatches=train.microbatches,
-        split=train.split_points,
-        pp=mesh["pp"],
-        grad_accum=train.grad_accum,
-        local_batch=train.global_batch_size // mesh.get("dp", 1),
-    )
-
-
-def _check_ps(cfg, mesh: dict[str, int], meta_model) -> None:
-    from gradmesh.parallel.ps import check_ps
-
-    check_ps(cfg, mesh, meta_model)
-
-
-def _check_hybrid(cfg, mesh: dict[str, int], meta_model) -> None:
-    from gradmesh.parallel.ps import check_ps
-
-    check_ps(cfg, mesh, meta_model, hybrid=True)
-
+PS_ENGINE_KEEPS_ITS_OWN_STATE: dict[str, Any] = dict(
+    sync=None, optimizer=None, optimizer_state=None, load_optimizer_state=None
+)
+"""The parameter-server engine synchronises gradients and holds optimizer state its own way
+(`gradmesh.engine.ps`): the collective families' functions do not apply to its rows."""
 
 ROWS = (
     Strategy(
@@ -89,7 +76,7 @@ ROWS = (
         state_bytes=lambda size, n: _all_bytes(size) / n,
         wire_bytes=lambda size, n: 3 * _ring(n) * FP32 * size.params,
         sync="gradmesh.parallel.sharded:fsdp_sync",
-        compressions=("fp16", "bf16"),
+        casts_only=True,
     ),
     Strategy(
         "tp",
@@ -100,7 +87,7 @@ ROWS = (
         state_bytes=_tp_state,
         wire_bytes=lambda size, n: 4 * size.layers * 2 * _ring(n) * size.activation_bytes,
         sync="gradmesh.parallel.data:no_sync",
-        checks=(_check_tp,),
+        checks=(check_tp,),
         splits_model=True,
     ),
     Strategy(
@@ -112,7 +99,7 @@ ROWS = (
         state_bytes=lambda size, n: _all_bytes(size) / n,
         wire_bytes=lambda size, n: 2 * _ring(n) * size.activation_bytes,
         sync="gradmesh.parallel.data:no_sync",
-        checks=(_check_pipeline,),
+        checks=(check_pipeline,),
         splits_model=True,
         same_work=False,
     ),
@@ -128,13 +115,12 @@ ROWS = (
         "parameters (sync, async, ssp:K)",
         state_bytes=lambda size, n: FP32 * size.params * 2,
         wire_bytes=lambda size, n: 2 * FP32 * size.params,
-        roles=("worker", "server"),
-        sync="gradmesh.parallel.data:no_sync",
-        checks=(_check_ps,),
+        roles=(WORKER_ROLE, SERVER_ROLE),
+        **PS_ENGINE_KEEPS_ITS_OWN_STATE,
+        checks=(check_ps,),
         same_work=False,
         step_breakdown=False,
         inplace_recovery=True,
-        compressions=("fp16", "bf16"),
         critical="gradmesh.parallel.ps:server_ranks",
     ),
     # The dense part as ddp keeps it, among the W workers; the tables' rows move as under ps
@@ -148,16 +134,22 @@ ROWS = (
         "hybrid: sparse tables on parameter servers (sync or ssp:K), the dense network all-reduced among the workers",
         state_bytes=lambda size, n: _all_bytes(size),
         wire_bytes=lambda size, n: FP32 * size.params,
-        roles=("worker", "server"),
-        sync="gradmesh.parallel.data:no_sync",
-        checks=(_check_hybrid,),
+        roles=(WORKER_ROLE, SERVER_ROLE),
+        **PS_ENGINE_KEEPS_ITS_OWN_STATE,
+        checks=(check_hybrid,),
         same_work=False,
         step_breakdown=False,
         dense_on_workers=True,
-        compressions=("fp16", "bf16"),
     ),
 )
 STRATEGIES = {row.name: row for row in ROWS}
+
+
+def _carries(row: Strategy, compressor: compressors.Compressor) -> bool:
+    """Whether `row`'s gradients can travel by `compressor`: its family takes it, and a row that
+    reduces outside the job's reducer takes only a plain cast (or none: fp32 as it is)."""
+    plain = compressor.reducer is None or compressor.wire_dtype is not None
+    return row.engine in compressor.families and (plain or not row.casts_only)
 
 
 def critical_ranks(cfg, world: int) -> frozenset[int]:
@@ -197,6 +189,25 @@ class Plan:
         return next((row.engine for row in self.rows if row.engine != "collective"), "collective")
 
     @property
+    def runs_lockstep(self) -> bool:
+        """Every rank steps together (parameter servers' workers go at their own pace): a rollback
+        can rewind them all at once."""
+        return self.engine != "ps"
+
+    @property
+    def accepts_balance(self) -> bool:
+        """--balance applies: its data-parallel ranks step together on equal work through the
+        collective engine, whose per-rank shares the loop may move (the pipeline's and the
+        servers' shares are their own)."""
+        return self.engine == "collective"
+
+    @property
+    def has_servers(self) -> bool:
+        """Some ranks serve parameters (`Strategy.has_servers`); its gradients travel as pushes
+        through the servers' wire, not through the reducer with each parameter's place."""
+        return any(row.has_servers for row in self.rows)
+
+    @property
     def step_breakdown(self) -> bool:
         return all(row.step_breakdown for row in self.rows)
 
@@ -222,9 +233,9 @@ class Plan:
 
     @property
     def compressions(self) -> tuple[str, ...]:
-        return tuple(
-            method for method in self.rows[0].compressions if all(method in row.compressions for row in self.rows)
-        )
+        """The --compression methods (none first) every row's gradients can travel by, in the
+        compressor registry's order."""
+        return tuple(c.name for c in compressors.ROWS if all(_carries(row, c) for row in self.rows))
 
     @property
     def state_owner(self) -> Strategy:

@@ -7,13 +7,16 @@ do not know ZeroRedundancyOptimizer, and checkpoints must stay reshardable acros
 """
 
 import contextlib
+from typing import cast
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from gradmesh.comm.compress import cast_dtype
 from gradmesh.comm.scatter import CountedReduceScatter
+from gradmesh.mesh import DP_AXIS, FSDP_AXIS
 from gradmesh.parallel.options import ApplyOptions
 from gradmesh.topology import Topology
 
@@ -23,7 +26,7 @@ FSDP_UNITS = {"GPT": "h", "MLP": None}
 
 
 def data_axis(topology: Topology) -> str:
-    return "fsdp" if "fsdp" in topology.mesh_shape else "dp"
+    return FSDP_AXIS if FSDP_AXIS in topology.mesh_shape else DP_AXIS
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
@@ -39,21 +42,19 @@ def _units(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 def apply_fsdp(model: nn.Module, topology: Topology, options: ApplyOptions) -> nn.Module:
     """--compression fp16|bf16: FSDP2 reduce-scatters the gradients at that width (its reduce
     dtype; parameters and the sharded gradients stay fp32). Each unit's reduce-scatter is counted."""
     model.to(topology.device)
+    assert topology.mesh is not None  # a session's topology has its mesh once started
     mesh = topology.mesh[data_axis(topology)]
-    policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES.get(options.compression))
+    policy = MixedPrecisionPolicy(reduce_dtype=cast_dtype(options.compression))
     units = [fully_shard(unit, mesh=mesh, mp_policy=policy) for unit in _units(model)]
     root = fully_shard(model, mesh=mesh, mp_policy=policy)
     if options.counter is not None:
         for unit in (*units, root):
             unit.set_custom_reduce_scatter(CountedReduceScatter(options.counter))
-    return root
+    return cast(nn.Module, root)  # fully_shard returns the module it was given, as an FSDPModule too
 
 
 def fsdp_sync(model: nn.Module, topology: Topology, options: ApplyOptions, last_micro_batch: bool):

@@ -18,6 +18,12 @@ def optimizer_slots(optimizer_class: type, kwargs: dict) -> int:
     return int(kwargs.get("momentum", 0) > 0)
 
 
+def trained_bytes(weight_bytes: int, slots: int) -> int:
+    """Bytes that weights of `weight_bytes` hold in training: themselves, their gradients and the
+    optimizer's `slots` state tensors of the same size each (`optimizer_slots`)."""
+    return weight_bytes * (2 + slots)
+
+
 def plain_optimizer(params, topology, optimizer_class, **kwargs) -> torch.optim.Optimizer:
     return optimizer_class(params, **kwargs)
 

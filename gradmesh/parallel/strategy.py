@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 FP32 = 4
+WORKER_ROLE, SERVER_ROLE = "worker", "server"
+"""The roles a rank plays: every strategy's ranks are workers; parameter servers add servers."""
 
 
 @dataclass(frozen=True)
@@ -48,14 +50,16 @@ class Strategy:
     """Bytes of parameters, gradients and optimizer state one rank holds at degree N (fp32)."""
     wire_bytes: Callable[[ModelSize, int], float]
     """Bytes one rank sends per optimizer step at degree N (ring collectives)."""
-    roles: tuple[str, ...] = ("worker",)
-    sync: str = "gradmesh.parallel.data:ddp_sync"
-    """(model, last_micro_batch) -> context around one micro-batch's backward."""
-    optimizer: str = "gradmesh.parallel.state:plain_optimizer"
+    roles: tuple[str, ...] = (WORKER_ROLE,)
+    sync: str | None = "gradmesh.parallel.data:ddp_sync"
+    """(model, last_micro_batch) -> context around one micro-batch's backward. This and the three
+    optimizer functions below are what the collective and pipeline engines call; None for a family
+    (ps) whose engine keeps its gradients and optimizer state its own way."""
+    optimizer: str | None = "gradmesh.parallel.state:plain_optimizer"
     """(params, topology, optimizer_class, **kwargs) -> optimizer."""
-    optimizer_state: str = "gradmesh.parallel.state:named_optimizer_state"
+    optimizer_state: str | None = "gradmesh.parallel.state:named_optimizer_state"
     """(model, optimizer, for_load) -> {"state": {parameter name: {name: tensor}}} for checkpoints."""
-    load_optimizer_state: str = "gradmesh.parallel.state:install_optimizer_state"
+    load_optimizer_state: str | None = "gradmesh.parallel.state:install_optimizer_state"
     checks: tuple[Callable, ...] = ()
     """Pre-launch checks: check(cfg, mesh, meta_model) raises UsageError."""
     splits_model: bool = False
@@ -73,18 +77,25 @@ class Strategy:
     server's shard): under in-place recovery every rank then restarts from the last checkpoint."""
     step_breakdown: bool = True
     """The monitor's per-phase step breakdown applies (its ranks step together)."""
-    compressions: tuple[str, ...] = ("fp16", "bf16", "powersgd", "topk", "auto")
-    """The --compression methods its data-parallel gradients can travel by: all of them through
-    the job's reducer (per-parameter parts for error feedback); fsdp reduce-scatters in FSDP2 at
-    its reduce dtype (fp16, bf16); hybrid all-reduces bucket slices without parameter parts;
-    ps pushes through its own wire."""
+    casts_only: bool = False
+    """Its gradients are reduced outside the job's reducer (FSDP2 reduce-scatters them at its
+    reduce dtype), so of the --compression methods its engine family takes (the compressor
+    registry, `gradmesh.config.compression`) only a plain cast applies."""
     dense_on_workers: bool = False
     """Parameter-server family: the dense parameters are replicated on the workers and averaged
     among them by all-reduce; the servers hold only the sparse tables (hybrid)."""
 
+    @property
+    def has_servers(self) -> bool:
+        """Some ranks serve parameters instead of training: the model's sparse tables live on them
+        (`remote_tables`), and the --ps options apply."""
+        return SERVER_ROLE in self.roles
 
-def load(ref: str) -> Callable:
+
+def load(ref: str | None) -> Callable:
     """'module:function' -> the function (imported on first use)."""
+    if ref is None:
+        raise ValueError("this strategy's engine keeps its own state: it has no such function")
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)
 

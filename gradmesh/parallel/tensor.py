@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from gradmesh.errors import UsageError
+from gradmesh.mesh import TP_AXIS
 from gradmesh.topology import Topology
 
 # model class -> (blocks attribute, {submodule in a block: style})
@@ -50,7 +51,8 @@ def apply_tp(model: nn.Module, topology: Topology, options=None) -> nn.Module:
         raise UsageError(f"no tensor-parallel plan for {name}; known: {', '.join(TP_PLANS)}")
     blocks_attr, block_plan = TP_PLANS[name]
     model.to(topology.device)
-    mesh = topology.mesh["tp"]
+    assert topology.mesh is not None  # a session's topology has its mesh once started
+    mesh = topology.mesh[TP_AXIS]
     for block in getattr(model, blocks_attr):
         parallelize_module(block, mesh, {path: STYLES[style]() for path, style in block_plan.items()})
     return model

@@ -12,22 +12,31 @@ The hybrid strategy is this engine with the dense parameters kept on the workers
 all-reduced among them (`gradmesh.engine.ps.hybrid`); its servers hold only the sparse tables.
 """
 
+from collections.abc import Callable
+from typing import Any, cast
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from gradmesh.comm.compress import PushCodec
-from gradmesh.comm.ps_wire import Kind, Message, Wire
+from gradmesh.comm.ps_records import bare
+from gradmesh.comm.ps_wire import Kind, Wire
+from gradmesh.comm.reducer import CommCounter
+from gradmesh.config.ps import PSConfig
 from gradmesh.data import GlobalBatch
 from gradmesh.engine.base import Job, StepOutcome
+from gradmesh.engine.ps.dispatch import LogEntry
 from gradmesh.engine.ps.hybrid import DenseReplica
 from gradmesh.engine.ps.lookup import WorkerTables
+from gradmesh.engine.ps.mode import Mode
 from gradmesh.engine.ps.predict import WeightPrediction
 from gradmesh.engine.ps.report import Done, Lookout, SegmentReport
 from gradmesh.engine.ps.segment import Dispatcher, Segment
 from gradmesh.engine.ps.server import Server
 from gradmesh.engine.ps.slots import OptimizerSlots
 from gradmesh.engine.ps.tables import TableShard
+from gradmesh.engine.ps.timing import RoleClock
 from gradmesh.engine.ps.whole import WholeTables
 from gradmesh.engine.ps.worker import Worker, flat_views
 from gradmesh.parallel.options import DEFAULT_BUCKET_MB
@@ -37,18 +46,33 @@ from gradmesh.topology import Topology
 
 
 class ParameterServerEngine(SegmentReport):
+    """The engine protocol of an engine whose ranks do not step together (`lockstep` False).
+
+    In place of `step` / `abandon_step` / `rebucket` (which the loop calls only on lockstep
+    engines) it runs segments, in two halves so that in-place recovery can regroup between them:
+
+    - `work_segment(batches, probe) -> Done`: point to point until every share of the segment is
+      applied; a worker that dies meanwhile leaves its shares to the others. Not collective.
+    - `report_segment(done) -> [(StepOutcome, seconds)]`: collective over every rank (after a
+      regroup, the survivors): each step of the segment as this rank reports it.
+    - `run_segment(batches, probe)`: the two in a row (the loop's call without recovery).
+
+    The rest is the collective engines' protocol: `checkpoint_state`, `install_checkpoint`,
+    `eval_model` (and `eval_done`), `full_state`, `replica`, `start`, `rebuild`, `state_bytes`."""
+
     lockstep = False
 
     def __init__(self, topology: Topology, plan: Plan, model: nn.Module, job: Job):
         self.topology, self.plan, self.job = topology, plan, job
-        self.membership = job.membership
+        self.membership: Any = job.membership  # in-place recovery's (`gradmesh.fault`, a layer above), or None
         self.model = self.plain = to_device(model, topology.device)
         self.slots = OptimizerSlots(job.optimizer_class, job.optimizer_kwargs)
-        self.bound = job.ps.bound
-        self.roles = Roles(topology.world_size, job.ps.servers)
-        self.hybrid = plan.alone.dense_on_workers
+        self.ps = cast(PSConfig, job.ps)  # `Job.ps` is typed object; this engine is built with a PSConfig
+        self.mode = Mode.parse(self.ps.mode)
+        self.roles = Roles(topology.world_size, self.ps.servers)
+        self.hybrid = bool(plan.alone and plan.alone.dense_on_workers)  # ps and hybrid run alone, never composed
         """The dense parameters replicated on the workers, all-reduced among them (`gradmesh.engine.ps.hybrid`)."""
-        self.split = job.ps.shares if self.bound != 0 and not self.hybrid else 1
+        self.split = self.mode.shares_per_worker(self.ps.shares, self.hybrid)
         """Shares per worker and step (`ps.shares`; sync and hybrid: one)."""
         self.layout = layout_of(model, self.roles.servers, on_servers=not self.hybrid)
         is_server = self.roles.is_server(topology.rank)
@@ -57,7 +81,9 @@ class ParameterServerEngine(SegmentReport):
         self.flat, grads = flat_views([p for _, p in self.dense], topology.device, gradients=not is_server)
         bucket = max(1, int((job.train.bucket_mb or DEFAULT_BUCKET_MB) * 2**20) // self.flat.element_size())
         servers_group = self._connect(topology)
-        self.server = self.worker = self.optimizer = None
+        self.server: Server | None = None
+        self.worker: Worker | None = None
+        self.optimizer = None
         if is_server:
             self.server = self._build_server(topology, model, job, bucket, servers_group)
             self.optimizer = self.server.optimizer
@@ -70,34 +96,36 @@ class ParameterServerEngine(SegmentReport):
 
     def _build_server(self, topology: Topology, model: nn.Module, job: Job, bucket: int, servers_group) -> Server:
         index = topology.rank - self.roles.workers
+        init_rows = cast(Callable[..., torch.Tensor], getattr(model, "init_rows", None))  # a sparse model's
         shards = [
             TableShard(
                 table,
                 self.roles.servers,
                 index,
-                lambda low, high, t=t: model.init_rows(t, low, high),
+                lambda low, high, t=t: init_rows(t, low, high),
                 topology.device,
                 name,
             )
             for t, (name, table) in enumerate(self.sparse)
         ]
         shard, buckets = self.layout.shard(index), self.layout.buckets(index, bucket)
-        return Server(index, shard, buckets, self.flat, self.wire, job, self.bound, servers_group, shards, self.hybrid)
+        return Server(index, shard, buckets, self.flat, self.wire, job, self.mode, servers_group, shards, self.hybrid)
 
     def _build_worker(self, topology: Topology, model: nn.Module, job: Job, bucket: int, grads) -> Worker:
+        clock = RoleClock("worker")
+        replica = DenseReplica(self.flat, grads, self.workers_group, job, self.mode.lockstep) if self.hybrid else None
         tables = None
         if self.sparse:
-            tables = WorkerTables(model, self.sparse, self.roles, self.wire, PushCodec(job.train.compression))
-        replica = DenseReplica(self.flat, grads, self.workers_group, job, self.bound == 0) if self.hybrid else None
+            codec, heard = PushCodec(job.train.compression), replica.catch_up if replica else None
+            tables = WorkerTables(model, self.sparse, self.roles, self.wire, codec, clock, heard)
+        prediction = None
+        if self.mode.predicts(self.ps.predict, self.hybrid):
+            prediction = WeightPrediction(self.flat, [self.layout.shard(s) for s in range(self.roles.servers)])
         dense = [p for _, p in self.dense]
-        worker = Worker(
-            self.roles, self.layout, model, dense, self.flat, grads, self.wire, job, self.bound, bucket,
-            topology.device, tables, replica,
+        return Worker(
+            self.roles, self.layout, model, dense, self.flat, grads, self.wire, job, self.mode, bucket,
+            topology.device, clock, tables, replica, prediction,
         )  # fmt: skip
-        if self.bound != 0 and not self.hybrid and job.ps.predict:
-            shards = [self.layout.shard(s) for s in range(self.roles.servers)]
-            worker.prediction = WeightPrediction(self.flat, shards)
-        return worker
 
     def _connect(self, topology: Topology):
         """The wire and the identities of the group's ranks; the servers' own group."""
@@ -114,11 +142,9 @@ class ParameterServerEngine(SegmentReport):
         (the servers are the last ranks still; a server's loss restarts the job instead)."""
         servers_group = self._connect(topology)
         if self.server:
-            self.server.wire, self.server.servers_group = self.wire, servers_group
-        else:
-            self.worker.wire, self.worker.roles = self.wire, self.roles
-            if self.worker.tables:
-                self.worker.tables.wire, self.worker.tables.roles = self.wire, self.roles
+            self.server.rewire(self.wire, servers_group)
+        if self.worker:
+            self.worker.rewire(self.wire, self.roles)
 
     def _lookout(self):
         """A server's view of workers dying (in-place recovery): the ranks of those not yet seen."""
@@ -140,35 +166,38 @@ class ParameterServerEngine(SegmentReport):
         log = None
         if self.server:
             if not self.positioned:  # versions count from the step the run starts at (0, or a checkpoint's)
-                self.server.version = segment.first
+                self.server.updates.start_at(segment.first)
             is_dispatcher = self.topology.rank == self.roles.dispatcher
-            static = self.job.ps.mode == "sync" or self.hybrid  # hybrid: every worker in every step's all-reduce
+            static = self.mode.static_dispatch or self.hybrid  # hybrid: every worker in every step's all-reduce
             dispatcher = Dispatcher(segment, static=static) if is_dispatcher else None
             self.server.serve(segment, dispatcher, self.identities, probe, self._lookout())
-            if dispatcher:
-                log = self._log_rows(segment)
-        else:
+            if self.server.desk:
+                log = self._log_rows(self.server.desk.log, segment)
+        if self.worker:
             self.worker.run(segment, probe)
         self.positioned = True
-        clock = (self.server or self.worker).clock
-        sent = self.job.counter.take()[0] if self.job.counter is not None else 0
+        clock = self.server.clock if self.server else cast(Worker, self.worker).clock
+        sent = cast(CommCounter, self.job.counter).take()[0] if self.job.counter is not None else 0
         stats = self.server.stats if self.server else None
         return Done(segment, log, stats, torch.tensor(clock.take(), dtype=torch.float64), sent)
 
-    def _log_rows(self, segment: Segment) -> torch.Tensor:
+    def _log_rows(self, entries: dict[tuple[int, int], LogEntry], segment: Segment) -> torch.Tensor:
         """The dispatcher's log as rows (clock, chunk, worker identity, version, samples, loss), in
         global order: one per share, from the commit that counted."""
         rows = []
         for clock, chunk in segment.order():
-            worker, oldest, samples, loss = self.server.log[(clock, chunk)]
+            worker, oldest, samples, loss = entries[(clock, chunk)]
             rows.append([clock, chunk, self.identities[worker], oldest, samples, loss])
         return torch.tensor(rows, dtype=torch.float64).reshape(-1, 6)
 
+    def _dense_holder(self) -> Server | DenseReplica | None:
+        """Who holds dense parameters with optimizer state here: a server, or a hybrid worker."""
+        return self.server or (self.worker.replica if self.worker else None)
+
     def state_bytes(self) -> int:
-        if self.server:
-            return self.server.state_bytes()
-        if self.worker.replica:
-            return self.worker.replica.state_bytes()
+        holder = self._dense_holder()
+        if holder:
+            return holder.state_bytes()
         return 2 * self.flat.numel() * self.flat.element_size()  # parameters and gradients
 
     # -- the whole model: evaluation, checkpoints, final weights ---------------------------------
@@ -201,16 +230,16 @@ class ParameterServerEngine(SegmentReport):
         if self.server:
             self.server.serve_lookups(self.roles.workers)
             return None
-        if self.topology.rank != 0:
+        if self.topology.rank != 0 or not self.worker or not self.worker.tables:
             return None
         self.worker.tables.evaluating = True
         return self.model
 
     def eval_done(self) -> None:
-        if self.sparse and self.worker and self.topology.rank == 0:
+        if self.worker and self.worker.tables and self.topology.rank == 0:
             self.worker.tables.evaluating = False
             for s in range(self.roles.servers):
-                self.wire.send(self.roles.server_rank(s), Message(Kind.FINISHED))
+                self.wire.send(self.roles.server_rank(s), bare(Kind.FINISHED))
             self.wire.settle()
             self.whole.release()
 
@@ -240,13 +269,14 @@ class ParameterServerEngine(SegmentReport):
                 self.whole.make_room()
             return {"model": self._model_state(tables=bool(self.server)), "optim": optim}
         self.refresh()
-        holder = self.server or self.worker.replica
+        holder = self._dense_holder()
         slots = self.slots.gather(
             holder.optimizer.state.get(holder.param, {}) if holder else None, self.dense_pieces(), self.wire, self.flat
         )
         optim = self.slots.named(slots, names, self.layout)
         # the tables whole on the first server alone: its part of the checkpoint holds them
-        first, me, shards = self.roles.server_rank(0), self.topology.rank, self.server and self.server.tables.shards
+        first, me = self.roles.server_rank(0), self.topology.rank
+        shards = self.server.tables.shards if self.server else None
         self.whole.collect(shards, first, me, self.topology.group("world"))
         optim["state"].update(self.whole.state(shards, first, me, self.topology.group("world")))
         return {"model": self._model_state(tables=me == first), "optim": optim}
@@ -254,7 +284,7 @@ class ParameterServerEngine(SegmentReport):
     def install_checkpoint(self, payload: dict) -> None:
         missing, _ = self.model.load_state_dict(payload["model"], strict=False)
         assert set(missing) <= self.whole.keys(), missing  # only the tables, which workers do not load
-        holder = self.server or self.worker.replica
+        holder = self._dense_holder()
         if holder:
             names = [name for name, _ in self.dense]
             piece = (self.server.low, self.server.high) if self.server else (0, self.flat.numel())

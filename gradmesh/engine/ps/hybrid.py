@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gradmesh.engine.base import lr_factor
 from gradmesh.engine.ps.apply import clip_factor
+from gradmesh.engine.ps.slots import slot_bytes
+from gradmesh.engine.records import scheduled_lr
 
 
 class DenseReplica:
@@ -41,11 +42,7 @@ class DenseReplica:
         (heard at the next share's first row request, after the gradient buffer is zeroed)."""
 
     def state_bytes(self) -> int:
-        slots = sum(
-            v.numel() * v.element_size()
-            for v in self.optimizer.state.get(self.param, {}).values()
-            if isinstance(v, torch.Tensor)
-        )
+        slots = slot_bytes(self.optimizer, self.param)
         return 2 * self.param.numel() * self.param.element_size() + slots
 
     def buckets(self, bucket_elements: int) -> list[tuple[int, int]]:
@@ -91,7 +88,7 @@ class DenseReplica:
         clipped = clip_factor(self.job.train.grad_clip, math.sqrt(global_sq))
         if clipped != 1.0:
             gradient.mul_(clipped)
-        self.optimizer.param_groups[0]["lr"] = self.base_lr * lr_factor(clock, self.job.train)
+        self.optimizer.param_groups[0]["lr"] = scheduled_lr(self.base_lr, clock, self.job.train)
         self.param.grad = gradient
         self.optimizer.step()
         self.param.grad = None

@@ -11,24 +11,35 @@ placeholder on the meta device; evaluation and checkpoints put the whole table t
 while (`ParameterServerEngine.refresh`).
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
 from gradmesh.comm.compress import PushCodec
-from gradmesh.comm.ps_wire import Kind, Message
+from gradmesh.comm.ps_records import Grads, Rows, RowsWanted
+from gradmesh.comm.ps_wire import Kind
 from gradmesh.engine.ps.tables import payload_of
+from gradmesh.engine.ps.timing import RoleClock
 from gradmesh.parallel.ps import TableSpace
 
 
 class WorkerTables:
     def __init__(
-        self, model: nn.Module, tables: list[tuple[str, nn.Embedding]], roles, wire, codec: PushCodec | None = None
+        self,
+        model: nn.Module,
+        tables: list[tuple[str, nn.Embedding]],
+        roles,
+        wire,
+        codec: PushCodec | None = None,
+        clock: RoleClock | None = None,
+        heard: Callable[[float], None] | None = None,
     ):
         self.tables, self.roles, self.wire = [module for _, module in tables], roles, wire
         self.names = [name for name, _ in tables]
         self.codec = codec or PushCodec("none")
         """How the rows' gradients travel (--compression fp16|bf16: half width)."""
-        self.clock = None
+        self.clock = clock or RoleClock("worker")
         """The worker's `RoleClock` (its wait for rows is pull time)."""
         self.space = TableSpace([module.num_embeddings for module in self.tables], roles.servers)
         self.active = False
@@ -41,7 +52,8 @@ class WorkerTables:
         (`versions`, for the commit) and, from the dispatcher, the previous step's global norm
         (handed to `heard`)."""
         self.versions: list[int] = []
-        self.heard = None
+        self.heard = heard
+        """Hybrid: `DenseReplica.catch_up`, told the previous step's global norm (squared)."""
         self.blocks: list[list[tuple[torch.Tensor, nn.Parameter]]] = [[] for _ in self.tables]
         """Per table, the (ids, rows) blocks of the share's micro-batches so far, in order."""
         for index, module in enumerate(self.tables):
@@ -79,7 +91,7 @@ class WorkerTables:
             count = int(mine.sum())
             self.wire.send(
                 self.roles.server_rank(s),
-                Message(Kind.ROWS, clock=clock, version=least, samples=count),
+                RowsWanted(clock, least, count).message(),
                 ids[mine] if count else None,
             )
         like = self.tables[0]
@@ -92,10 +104,11 @@ class WorkerTables:
                 reply.check(
                     server, "samples", reply.samples == int(mine.sum()), f"{int(mine.sum())}, the rows asked for"
                 )
-                rows[mine] = payload_of(self.wire, server, reply.samples, like.embedding_dim, rows.device, rows.dtype)
-                versions.append(reply.version)
+                answer = Rows.read(reply)
+                rows[mine] = payload_of(self.wire, server, answer.count, like.embedding_dim, rows.device, rows.dtype)
+                versions.append(answer.version)
                 if gate is not None and s == 0 and self.heard:
-                    self.heard(reply.norm_sq)
+                    self.heard(answer.norm_sq)
         if gate is not None:
             self.versions = versions
         for blocks, found, part in zip(self.blocks, wanted, rows.split([len(f) for f in wanted])):
@@ -134,13 +147,13 @@ class WorkerTables:
             blocks.clear()
         if not ids:
             return 0.0
-        ids, where = torch.unique(torch.cat(ids), return_inverse=True)
+        unique, where = torch.unique(torch.cat(ids), return_inverse=True)
         grads = torch.cat(values)
-        values = torch.zeros(len(ids), grads.shape[1], dtype=grads.dtype, device=grads.device).index_add_(
+        summed = torch.zeros(len(unique), grads.shape[1], dtype=grads.dtype, device=grads.device).index_add_(
             0, where, grads
         )
-        for s, mine in self.space.by_server(ids):
+        for s, mine in self.space.by_server(unique):
             server = self.roles.server_rank(s)
-            self.wire.send(server, Message(Kind.GRADS, samples=int(mine.sum())), ids[mine])
-            self.wire.send_payload(server, self.codec.encode(values[mine]).contiguous())
-        return float(values.double().pow(2).sum())
+            self.wire.send(server, Grads(int(mine.sum())).message(), unique[mine])
+            self.wire.send_payload(server, self.codec.encode(summed[mine]).contiguous())
+        return float(summed.double().pow(2).sum())

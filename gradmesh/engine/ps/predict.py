@@ -34,7 +34,7 @@ class WeightPrediction:
         self.velocity = torch.zeros_like(flat)
         """Per update, over the interval between the last two pulls that saw updates."""
         self.updates: list[int | None] = [None] * len(shards)
-        self.lags = [deque(maxlen=LAGS) for _ in shards]
+        self.lags: list[deque[int]] = [deque(maxlen=LAGS) for _ in shards]
 
     def pulled(self, server: int, updates: int) -> None:
         """Server `server`'s shard has just been pulled into `flat` after `updates` updates:

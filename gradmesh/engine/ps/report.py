@@ -3,14 +3,19 @@ of workers dying (`Lookout`), each step's share of the segment's time, and the r
 (`SegmentReport`, the engine's half that turns them into each step's outcome)."""
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradmesh.engine.base import StepOutcome, lr_factor, peak_memory_bytes
+from gradmesh.comm.ps_wire import Wire
+from gradmesh.engine.base import Job, StepOutcome, peak_memory_bytes
 from gradmesh.engine.nonfinite import Finding
 from gradmesh.engine.ps.segment import Segment
 from gradmesh.engine.ps.timing import roles_row
+from gradmesh.engine.records import scheduled_lr
+from gradmesh.parallel.ps import Roles
+from gradmesh.topology import Topology
 
 
 @dataclass
@@ -32,7 +37,8 @@ class Lookout:
     death is unseen, `take()` gives the ranks (in the segment's group) of those newly seen."""
 
     def __init__(self, membership, identities: list[int]):
-        self.membership, self.identities, self.seen = membership, identities, set()
+        self.membership, self.identities = membership, identities
+        self.seen: set[int] = set()
 
     def _new(self) -> set[int]:
         return (self.membership.departed & set(self.identities)) - self.seen
@@ -70,6 +76,18 @@ def step_seconds(started: float, applied: list[float]) -> list[float]:
 class SegmentReport:
     """The parameter-server engine's report of a segment: collective over every rank (after a
     regroup, the survivors), each step as this rank reports it to the services."""
+
+    # What it reads of the engine it is the half of (`ParameterServerEngine`).
+    topology: Topology
+    roles: Roles
+    wire: Wire
+    job: Job
+    membership: Any
+    identities: list[int]
+    worker: object | None
+
+    def state_bytes(self) -> int:
+        raise NotImplementedError
 
     def report_segment(self, done: "Done") -> list[tuple[StepOutcome, float]]:
         """Collective over every rank (after a regroup, the survivors): the segment's figures."""
@@ -140,7 +158,7 @@ class SegmentReport:
         ]
         stale_sum, count, stale_max, _, wire, refused, sender = stats_row
         figures = torch.tensor([sum(s[4] for s in shares), sum(s[3] for s in shares), held, peak], dtype=torch.float64)
-        lr = self.job.optimizer_kwargs["lr"] * lr_factor(batch.step, self.job.train)
+        lr = scheduled_lr(self.job.optimizer_kwargs["lr"], batch.step, self.job.train)
         detail = {"versions": [v for _, _, v, _, _ in own]} if self.worker else {}
         if lost:
             detail["lost_workers"] = lost

@@ -1,5 +1,7 @@
-"""A parameter server: its shard of the flat parameter vector, the optimizer state of that
-shard, and the rules of the mode for applying what workers push.
+"""A parameter server: it answers workers' messages (`Server.handle`) for its shard of the flat
+parameter vector, which its update rule (`gradmesh.engine.ps.apply.UpdateRule`, with the
+optimizer state of that shard) changes; the first server also holds the dispatcher's desk
+(`gradmesh.engine.ps.dispatch.DispatchDesk`). The mode's rules (`gradmesh.engine.ps.mode.Mode`):
 
 sync (ssp:0): the shares of one step are summed in share order (as data parallelism sums them)
 and applied as one optimizer step once all have arrived, steps in order, so the model is the
@@ -16,21 +18,26 @@ most K); per step, its sum, count and maximum are kept for the metrics.
 """
 
 import sys
+from typing import cast
 
 import torch
 import torch.nn as nn
 
 from gradmesh.comm.compress import PushCodec
+from gradmesh.comm.ps_records import Commit, Params, Pull, RowsWanted, Take, bare
 from gradmesh.comm.ps_wire import Kind, Message, Wire
 from gradmesh.config.fault import auto_timeout
 from gradmesh.engine.ps.accept import check_lookup, check_message
-from gradmesh.engine.ps.apply import Applying
+from gradmesh.engine.ps.apply import UpdateRule
+from gradmesh.engine.ps.dispatch import DispatchDesk
+from gradmesh.engine.ps.mode import Mode
 from gradmesh.engine.ps.segment import Dispatcher, Segment
+from gradmesh.engine.ps.slots import slot_bytes
 from gradmesh.engine.ps.tables import ServerTables
 from gradmesh.engine.ps.timing import RoleClock
 
 
-class Server(Applying):
+class Server:
     def __init__(
         self,
         index: int,
@@ -39,12 +46,12 @@ class Server(Applying):
         flat: torch.Tensor,
         wire: Wire,
         job,
-        bound: int | None,
+        mode: Mode,
         servers_group,
         tables: list | None = None,
         dense_on_workers: bool = False,
     ):
-        self.index, self.wire, self.job, self.bound = index, wire, job, bound
+        self.index, self.wire, self.job, self.mode = index, wire, job, mode
         self.dense_on_workers = dense_on_workers
         """Hybrid: the dense parameters are the workers' (all-reduced); this server holds tables only."""
         self.codec = PushCodec(job.train.compression)
@@ -54,27 +61,45 @@ class Server(Applying):
         self.low, self.high = shard
         self.buckets, self.servers_group = buckets, servers_group
         self.param = nn.Parameter(flat[self.low : self.high])  # a view: the mirror model sees every update
-        self.optimizer = job.optimizer_class([self.param], **job.optimizer_kwargs)
-        self.base_lr = self.optimizer.param_groups[0]["lr"]
-        self.version = 0
-        """Updates applied (async: shares; sync: steps since step 0)."""
-        self.additive = bound is None or bound > 0
-        """Each share applied as it arrives (async, ssp:K >= 1), not summed into its step's update."""
         self.spare: list[torch.Tensor] = []
         self.receiving: dict[int, torch.Tensor] = {}
-        self.stats: dict[int, list[float]] = {}
         self.failed: set[int] = set()
         """Workers a send or receive failed with (they died), handled between messages."""
         self.slowest_share = 0.0
         """--step-timeout auto: the longest any share of the run was held, across segments."""
         self.clock = RoleClock("server")
+        self.updates = UpdateRule(
+            self.param, self.tables, mode, job, wire, servers_group, self.clock, self.spare, self.failed,
+            dense_on_workers,
+        )  # fmt: skip
+        self.optimizer = self.updates.optimizer
+        self.dispatcher: Dispatcher | None = None
+        """The segment's queue of shares, on the first server (`serve`); None elsewhere."""
+        self.desk: DispatchDesk | None = None
+
+    @property
+    def version(self) -> int:
+        """Updates applied here (`UpdateRule.version`)."""
+        return self.updates.version
+
+    @property
+    def applied(self) -> int:
+        """Shares of the segment applied here."""
+        return self.updates.applied
+
+    @property
+    def stats(self) -> dict[int, list[float]]:
+        """Per step of the segment: staleness sum, count, max, when applied, refused pushes, 1 +
+        the identity of the last worker refused."""
+        return self.updates.stats
+
+    def rewire(self, wire: Wire, servers_group) -> None:
+        """In-place recovery: the survivors' new wire and the servers' new group."""
+        self.wire, self.servers_group = wire, servers_group
+        self.updates.rewire(wire, servers_group)
 
     def state_bytes(self) -> int:
-        slots = sum(
-            v.numel() * v.element_size()
-            for v in self.optimizer.state.get(self.param, {}).values()
-            if isinstance(v, torch.Tensor)
-        )
+        slots = slot_bytes(self.optimizer, self.param)
         held = self.param.numel() * self.param.element_size() * (2 + len(self.spare) + len(self.receiving))
         return held + slots + self.tables.state_bytes()
 
@@ -92,7 +117,7 @@ class Server(Applying):
         self.identities, self.workers = identities, segment.workers
         self._begin(segment)
         timed = dispatcher is not None and self.job.step_timeout != 0
-        overdue = (lambda: self.dispatcher.overdue(self.share_limit())) if timed else list
+        overdue = (lambda: cast(Dispatcher, dispatcher).overdue(self.share_limit())) if timed else list
         wake = (lambda: (lookout is not None and lookout()) or bool(overdue())) if lookout or timed else None
         while not self._served():
             with self.clock.phase("idle"):
@@ -101,34 +126,20 @@ class Server(Applying):
                 self.handle(*got)
             for worker in (lookout.take() if lookout else []) + sorted(self.failed):
                 self.lose(worker)
-            self.failed = set()
+            self.failed.clear()
             self._stop_hung(overdue())
         self._end()
 
     def _begin(self, segment: Segment) -> None:
         """A segment's bookkeeping, fresh."""
-        self.done: dict[int, dict[int, torch.Tensor]] = {}
-        self.pulled: dict[int, list[int]] = {}
         self.waiting: list[tuple] = []  # (worker, clock, least version, the ids of a row request or None)
         self.accepted: set[tuple[int, int]] = set()
-        self.log: dict[tuple[int, int], tuple[int, int, int, float]] = {}
-        """Dispatcher: (clock, chunk) -> (worker, oldest version, samples, loss) of the commit that counted."""
-        self.parked: list[int] = []
-        self.bundled: set[int] = set()
-        """Parked workers whose TAKE asked for this server's shard with the share."""
-        self.told_done: set[int] = set()
         self.lost: set[int] = set()
         self.broken: set[int] = set()
-        self.applied = 0
-        self.dense_sq: dict[int, float] = {}
-        """Hybrid, sync: clock -> the square of the workers' all-reduced dense gradient norm."""
-        self.norms: dict[int, float] = {}
-        """Sync: clock -> the global gradient norm the step was clipped by (0 with clipping off)."""
-        self.frontier = segment.first  # every step before it wholly applied (a segment starts with none in flight)
-        self.left = {clock: len(segment.chunks[clock]) for clock in segment.clocks}
-        self.stats = {clock: [0.0, 0.0, 0.0, segment.started, 0.0, 0.0] for clock in segment.clocks}
-        self.refused: set[int] = set()
-        """Steps with a push that was not finite: nothing of them is applied here."""
+        self.updates.begin(segment, self.probe)
+        self.desk = None
+        if self.dispatcher is not None:
+            self.desk = DispatchDesk(self.dispatcher, segment, self.wire, self.mode, self.updates, self._send_params)
 
     def _end(self) -> None:
         with self.clock.phase("send"):
@@ -142,18 +153,18 @@ class Server(Applying):
         """Evaluation: answer row requests at once until a worker says it is done (the dispatcher
         is not involved; nothing changes)."""
         while True:
-            source, message = self.wire.receive_any()
+            source, message = cast(tuple[int, Message], self.wire.receive_any())  # no lookout: it waits
             check_lookup(self, source, message, workers)
             if message.kind == Kind.FINISHED:
                 break
-            ids = self.tables.message(self.wire, source, message)
+            ids = cast(torch.Tensor, self.tables.message(self.wire, source, message))  # ROWS: their ids
             self.tables.answer(self.wire, source, ids, self.version, 0.0)
         self.wire.settle()
 
     def _served(self) -> bool:
         if self.applied < self.segment.total_chunks:
             return False
-        return self.dispatcher is None or set(range(self.workers)) - self.lost <= self.told_done
+        return self.desk is None or self.desk.told_every_live(self.workers, self.lost)
 
     def receive_push(self, source: int, bucket: int) -> None:
         """One bucket of a worker's gradient, into that worker's receiving buffer (in fp32; a
@@ -184,20 +195,36 @@ class Server(Applying):
         elif kind == Kind.COMMIT:
             self.commit(source, message)
         elif kind == Kind.PULL:
-            self.waiting.append((source, message.clock, message.version, None))
+            pull = Pull.read(message)
+            self.waiting.append((source, pull.clock, pull.least, None))
             self.answer_pulls()
         elif kind == Kind.CANCEL:
             if any(entry[0] == source for entry in self.waiting):
                 self.waiting = [entry for entry in self.waiting if entry[0] != source]
-                self.wire.send(source, Message(Kind.RETRY))
-        elif kind == Kind.TAKE:
-            self.parked.append(source)
-            if message.version:
-                self.bundled.add(source)
-            self.serve_parked()
+                self.wire.send(source, bare(Kind.RETRY))
+        elif kind == Kind.TAKE:  # TAKE and RETURN reach the dispatcher alone (`check_message`)
+            cast(DispatchDesk, self.desk).take(source, Take.read(message).with_params)
         else:  # RETURN (check_message let through only what is handled here)
-            self.dispatcher.give_back(source, (message.clock, message.chunk))
-            self.serve_parked()
+            cast(DispatchDesk, self.desk).give_back(source, (message.clock, message.chunk))
+
+    def commit(self, worker: int, message: Message) -> None:
+        """A share's commit: the first of each share counts (`UpdateRule.count`)."""
+        gradient = self.receiving.pop(worker) if worker in self.receiving else self.param.detach()[:0]
+        rows = self.tables.take(worker)
+        task = (message.clock, message.chunk)
+        counts = task not in self.accepted  # a share redone after its worker died counts once
+        if self.desk:
+            self.desk.committed(
+                worker, task, (worker, message.oldest, message.samples, message.loss) if counts else None
+            )
+        if counts:
+            self.accepted.add(task)
+            self.updates.count(self.identities[worker], gradient, rows, Commit.read(message))
+        else:
+            self.spare.append(gradient)
+        if self.desk:  # after applying: a worker told DONE may read the last step's norm
+            self.desk.serve_parked()
+        self.answer_pulls()
 
     def table_message(self, source: int, message: Message) -> None:
         """GRADS kept with the worker's share; ROWS answered like a pull, once the version it asks
@@ -210,14 +237,15 @@ class Server(Applying):
                 self.failed.add(source)
                 return
         if message.kind == Kind.ROWS:
-            self.waiting.append((source, message.clock, message.version, wanted))
+            wants = RowsWanted.read(message)
+            self.waiting.append((source, wants.clock, wants.least, wanted))
             self.answer_pulls()
 
     def share_limit(self) -> float:
         """--step-timeout in seconds; auto: from the longest any share of the run was held."""
         if self.job.step_timeout > 0:
             return self.job.step_timeout
-        self.slowest_share = max(self.slowest_share, self.dispatcher.longest)
+        self.slowest_share = max(self.slowest_share, cast(Dispatcher, self.dispatcher).longest)
         return auto_timeout(self.slowest_share)
 
     def _stop_hung(self, overdue: list[tuple[int, tuple[int, int]]]) -> None:
@@ -225,7 +253,7 @@ class Server(Applying):
         hangs. Under in-place recovery the launcher stops it and the others take its shares;
         otherwise the job ends here (or restarts, under --recovery restart) rather than wait."""
         for worker, (clock, _) in overdue:
-            self.dispatcher.hung.add(worker)
+            cast(Dispatcher, self.dispatcher).hung.add(worker)
             what = (
                 f"parameter server: worker rank {worker} has held a share of step {clock} for more than "
                 f"--step-timeout {self.share_limit():g} s without committing it"
@@ -235,36 +263,9 @@ class Server(Applying):
             print(f"gradmesh: {what}: it hangs and is stopped", file=sys.stderr, flush=True)
             self.job.membership.evict(self.identities[worker])
 
-    def serve_parked(self) -> None:
-        """Dispatcher: hand each waiting worker a share; once all are committed, tell it so."""
-        still = []
-        for worker in self.parked:
-            task = self.dispatcher.next(worker)
-            if task is not None:
-                self._hand(worker, task)
-            elif self.dispatcher.finished:
-                self.wire.send(worker, Message(Kind.DONE, norm_sq=self._norm_sq(self.segment.clocks[-1])))
-                self.told_done.add(worker)
-                self.bundled.discard(worker)
-            else:  # the others still hold the last shares: one may die and leave its share to this one
-                still.append(worker)
-        self.parked = still
-
-    def _hand(self, worker: int, task: tuple[int, int]) -> None:
-        """TASK, and this server's shard with it when the worker asked so and the bound allows."""
-        bundled = worker in self.bundled and (self.bound is None or self.frontier >= task[0] - self.bound)
-        self.bundled.discard(worker)
-        self.wire.send(worker, Message(Kind.TASK, clock=task[0], chunk=task[1], version=int(bundled)))
-        if bundled:
-            self._send_params(worker)
-
     def _send_params(self, worker: int) -> None:
-        level = self.version if self.bound is None else self.frontier
-        self.wire.send(worker, Message(Kind.PARAMS, clock=self.version, version=level), self.param.detach())
-
-    def _norm_sq(self, clock: int) -> float:
-        """The square of step `clock`'s global gradient norm, once applied (sync; else 0)."""
-        return self.norms.get(clock, 0.0) ** 2
+        level = self.mode.reported_version(self.version, self.updates.frontier)
+        self.wire.send(worker, Params(version=level, updates=self.version).message(), self.param.detach())
 
     def lose(self, worker: int) -> None:
         """A worker died: what it pushed is dropped; the dispatcher hands its shares out again."""
@@ -272,26 +273,23 @@ class Server(Applying):
             return
         self.lost.add(worker)  # its pushes are kept: a commit it sent before it died may still be on the way
         self.waiting = [entry for entry in self.waiting if entry[0] != worker]
-        if self.dispatcher:
-            self.dispatcher.lose(worker)
-            self.parked = [w for w in self.parked if w != worker]
-            self.bundled.discard(worker)
-            self.serve_parked()
+        if self.desk:
+            self.desk.lose(worker)
             self.answer_pulls()
 
     def answer_pulls(self) -> None:
         still = []
         for worker, clock, least, rows in self.waiting:
-            if self.bound is None or self.frontier >= least:
+            if self.mode.may_answer(self.updates.frontier, least):
                 if rows is not None:
-                    level = self.version if self.bound is None else self.frontier
-                    self.tables.answer(self.wire, worker, rows, level, self._norm_sq(clock - 1))
+                    level = self.mode.reported_version(self.version, self.updates.frontier)
+                    self.tables.answer(self.wire, worker, rows, level, self.updates.norm_sq(clock - 1))
                     continue
                 self._send_params(worker)
-            elif self.dispatcher and self.dispatcher.earlier_than(worker, clock):
+            elif self.desk and self.desk.earlier_than(worker, clock):
                 # a dead worker's share of an earlier step is back in line: this worker must do it
                 # (waiting for it would wait forever), so it gives its own share back
-                self.wire.send(worker, Message(Kind.RETRY))
+                self.wire.send(worker, bare(Kind.RETRY))
             else:
                 still.append((worker, clock, least, rows))
         self.waiting = still

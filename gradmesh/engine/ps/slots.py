@@ -13,6 +13,12 @@ import torch.nn as nn
 from gradmesh.parallel.ps import Layout
 
 
+def slot_bytes(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> int:
+    """Bytes of the optimizer state `optimizer` holds for `param` (none before its first step)."""
+    state = optimizer.state.get(param, {})
+    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+
+
 class OptimizerSlots:
     def __init__(self, optimizer_class: type, kwargs: dict):
         probe = nn.Parameter(torch.zeros(2))
@@ -46,12 +52,13 @@ class OptimizerSlots:
         if not stepped.item():
             return {}
         me = dist.get_rank()
+        held = mine or {}  # a holder of a range holds state once the first holder has stepped
         found = {}
         for key in self.elementwise:
             whole = torch.zeros_like(flat)
             for rank, low, high in pieces:
                 if rank == me:
-                    whole[low:high] = mine[key]
+                    whole[low:high] = held[key]
                 dist.broadcast(whole[low:high], src=rank, group=wire.payload_group)
             found[key] = whole
         for key, like in self.scalars.items():

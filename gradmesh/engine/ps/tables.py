@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from gradmesh.comm.compress import PushCodec
+from gradmesh.comm.ps_records import Rows
 from gradmesh.comm.ps_wire import Kind, Message, WireError
 from gradmesh.optim import rowwise_adagrad
 from gradmesh.parallel.ps import TableSpace, table_rows
@@ -55,7 +56,7 @@ class ServerTables:
 
     def __init__(self, shards: list[TableShard], lr: float, codec: PushCodec | None = None):
         self.shards, self.lr, self.codec = shards, lr, codec or PushCodec("none")
-        self.space = TableSpace([s.count for s in shards], shards[0].servers) if shards else None
+        self.held = TableSpace([s.count for s in shards], shards[0].servers) if shards else None
         self.receiving: dict[int, list] = {}
         """worker -> [(table, ids, gradient rows)] pushed for the share it has not committed yet."""
         self.done: dict[int, dict[int, list]] = {}
@@ -63,6 +64,11 @@ class ServerTables:
 
     def state_bytes(self) -> int:
         return sum(s.weight.numel() * s.weight.element_size() + s.accumulator.numel() * 4 for s in self.shards)
+
+    def space(self) -> TableSpace:
+        """The tables' one id space (only a server holding rows receives ROWS or GRADS: `accept`)."""
+        assert self.held is not None, "a table message reached a server that holds no table"
+        return self.held
 
     def rows_held(self) -> int:
         """Rows of every table this server holds: the most one message may name (its ids are distinct)."""
@@ -72,18 +78,18 @@ class ServerTables:
         """WireError unless every id is a row this server holds. The tables share one id space, so
         an id past a table's end is a row of the next table (or of another server's range): the
         worker checks its lookups before they leave (`WorkerTables`), and this is the last line."""
-        total = self.space.offsets[-1]
+        total = self.space().offsets[-1]
         inside = (ids >= 0) & (ids < total)
         mine = inside & (
-            self.space.ranges(ids.clamp(0, max(total - 1, 0))) % self.space.servers == self.shards[0].server
+            self.space().ranges(ids.clamp(0, max(total - 1, 0))) % self.space().servers == self.shards[0].server
         )
         if bool(mine.all()):
             return
         bad = int(ids[~mine][0])
         accepted = f"global ids 0..{total - 1}"
         if 0 <= bad < total:
-            table = int(self.space.ranges(torch.tensor([bad]))[0]) // self.space.servers
-            shard, start = self.shards[table], self.space.offsets[table]
+            table = int(self.space().ranges(torch.tensor([bad]))[0]) // self.space().servers
+            shard, start = self.shards[table], self.space().offsets[table]
             accepted = (
                 f"rows {shard.low}..{shard.high - 1} of {shard.name} (global ids {start + shard.low}.."
                 f"{start + shard.high - 1}) on this server; id {bad} is row {bad - start}"
@@ -104,23 +110,23 @@ class ServerTables:
         if message.samples:
             wire.payload_from(source, pushed).wait()
             self.codec.decode(pushed, grads)
-        ranges = self.space.ranges(ids)
-        tables, parts = ranges // self.space.servers, self.receiving.setdefault(source, [])
+        ranges = self.space().ranges(ids)
+        tables, parts = ranges // self.space().servers, self.receiving.setdefault(source, [])
         for table in torch.unique(tables).tolist():
             mine = tables == table
-            parts.append((table, ids[mine] - self.space.offsets[table], grads[mine]))
+            parts.append((table, ids[mine] - self.space().offsets[table], grads[mine]))
         return None
 
     def answer(self, wire, worker: int, ids: torch.Tensor, version: int, norm_sq: float) -> None:
         """The rows of these global ids, as they are now; `version` and `norm_sq` as a pull's answer."""
         like = self.shards[0].weight
-        ranges = self.space.ranges(ids)
-        tables = ranges // self.space.servers
+        ranges = self.space().ranges(ids)
+        tables = ranges // self.space().servers
         rows = torch.empty(len(ids), like.shape[1], dtype=like.dtype, device=like.device)
         for table in torch.unique(tables).tolist():
             mine = tables == table
-            rows[mine] = self.shards[table].weight[ids[mine] - self.space.starts[ranges[mine]]]
-        reply = Message(Kind.ROWS, samples=len(ids), version=version, norm_sq=norm_sq)
+            rows[mine] = self.shards[table].weight[ids[mine] - self.space().starts[ranges[mine]]]
+        reply = Rows(len(ids), version, norm_sq).message()
         wire.send(worker, reply, rows if len(ids) else None)
 
     def take(self, worker: int) -> list:

@@ -11,6 +11,8 @@ send (waiting for parameters to leave before they change), idle (waiting for any
 import time
 from contextlib import contextmanager
 
+from gradmesh.parallel.strategy import SERVER_ROLE, WORKER_ROLE
+
 PHASES = {"worker": ("data", "compute", "push", "pull", "wait"), "server": ("receive", "apply", "send", "idle")}
 ROLES = ("worker", "server")
 SLOTS = 5
@@ -58,11 +60,11 @@ def roles_row(gathered: list[list[float]], steps: int) -> dict:
         ranks = [r for r, figures in enumerate(gathered) if int(figures[0]) == role_index]
         if not ranks:
             continue
-        entry = {"ranks": ranks}
+        entry: dict[str, list] = {"ranks": ranks}
         for i, phase in enumerate(PHASES[role]):
             entry[phase] = [round(gathered[r][1 + i] / steps, 6) for r in ranks]
-        count = "samples" if role == "worker" else "updates"
-        index = 1 + SLOTS + (role == "server")
+        count = "samples" if role == WORKER_ROLE else "updates"
+        index = 1 + SLOTS + (role == SERVER_ROLE)
         entry[count] = [round(gathered[r][index] / steps, 3) for r in ranks]
         found[role] = entry
     return found

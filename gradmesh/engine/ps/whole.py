@@ -41,6 +41,7 @@ class WholeTables:
         servers' ranges (`shards`: this rank's, if it is a server)."""
         if me == to:
             self.make_room()
+        shards = shards or []  # a server's own ranges; a worker has none, and sends none
         for index, (_, table) in enumerate(self.tables):
             for s in range(self.roles.servers):
                 low, high = table_rows(table.num_embeddings, self.roles.servers, s)
@@ -57,8 +58,10 @@ class WholeTables:
         """Collective over the servers: each table's row accumulators and update count, whole, on
         server rank `to` ({} elsewhere)."""
         found = {}
+        shards = shards or []
         for index, (name, table) in enumerate(self.tables):
-            whole = torch.zeros(table.num_embeddings, device=self.device) if me == to else None  # NCCL: on the GPU
+            # NCCL: on the GPU; a rank other than `to` receives nothing into it
+            whole = torch.zeros(table.num_embeddings if me == to else 0, device=self.device)
             for s in range(self.roles.servers):
                 low, high = table_rows(table.num_embeddings, self.roles.servers, s)
                 source = self.roles.server_rank(s)

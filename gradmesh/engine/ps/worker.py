@@ -8,18 +8,28 @@ all of it, so pushing overlaps the rest of backward.
 """
 
 import time
+from typing import cast
 
 import torch
 import torch.nn as nn
 
 from gradmesh.comm.compress import PushCodec
+from gradmesh.comm.ps_records import Commit, Params, Pull, Push, Return, Take, Task, bare
 from gradmesh.comm.ps_wire import Kind, Message, Wire
 from gradmesh.data import fetch
 from gradmesh.data.sampler import split_evenly
 from gradmesh.engine.base import to_device
+from gradmesh.engine.ps.hybrid import DenseReplica
+from gradmesh.engine.ps.lookup import WorkerTables
+from gradmesh.engine.ps.mode import Mode
+from gradmesh.engine.ps.predict import WeightPrediction
 from gradmesh.engine.ps.segment import Segment
 from gradmesh.engine.ps.timing import RoleClock
 from gradmesh.parallel.ps import Layout, Roles
+
+Share = tuple[int, int, list[int] | None]
+"""(clock, chunk, each server's version the share was computed from; hybrid: None, the share's
+first row request hears them, `WorkerTables.versions`)."""
 
 
 def flat_views(
@@ -49,36 +59,35 @@ class Worker:
         grads,
         wire: Wire,
         job,
-        bound: int | None,
+        mode: Mode,
         bucket_elements: int,
         device: torch.device,
-        tables=None,
-        replica=None,
+        clock: RoleClock,
+        tables: WorkerTables | None = None,
+        replica: DenseReplica | None = None,
+        prediction: WeightPrediction | None = None,
     ):
         self.roles, self.layout, self.model = roles, layout, model
-        self.flat, self.grads, self.wire, self.job, self.bound, self.device = flat, grads, wire, job, bound, device
+        self.flat, self.grads, self.wire, self.job, self.mode, self.device = flat, grads, wire, job, mode, device
         self.replica = replica
+        """Hybrid: the dense part all-reduced among the workers, not pushed."""
+        self.prediction = prediction
+        """Where `Mode.predicts`: the pulled parameters moved to where the gradient will land."""
         self.codec = PushCodec(job.train.compression)
-        self.prediction = None
-        """`gradmesh.engine.ps.predict.WeightPrediction` under async and ssp:K >= 1, else None."""
-        """Hybrid: `gradmesh.engine.ps.hybrid.DenseReplica` (the dense part all-reduced, not pushed)."""
         self._wire_buckets(roles, layout, bucket_elements, replica)
         self.missing = list(self.needed)
-        self.pushing, self.task = False, (0, 0, 0)
+        self.pushing, self.task = False, cast(Share, (0, 0, None))
         self.compute_s = 0.0
-        self.clock = RoleClock("worker")
+        self.clock = clock
         for index, p in enumerate(params):  # the flat vector's; sparse tables push their rows after backward
             p.register_post_accumulate_grad_hook(lambda p, index=index: self._produced(index))
         self.tables = tables
-        """`gradmesh.engine.ps.tables.WorkerTables`, or None."""
-        if tables:
-            tables.clock = self.clock
-            tables.heard = replica.catch_up if replica else None
+        """The sparse tables' rows of the share being computed (None: the model has no table)."""
 
     def _wire_buckets(self, roles: Roles, layout: Layout, bucket_elements: int, replica) -> None:
         """The buckets gradients are pushed in (server, index, range) and, per parameter, the buckets
         waiting for its gradient."""
-        self.buckets = [
+        self.buckets: list[tuple[int | None, int, int, int]] = [
             (s, k, low, high)
             for s in range(roles.servers)
             for k, (low, high) in enumerate(layout.buckets(s, bucket_elements))
@@ -93,6 +102,12 @@ class Worker:
             for index in overlapping:
                 self.of_param[index].append(b)
 
+    def rewire(self, wire: Wire, roles: Roles) -> None:
+        """In-place recovery: the survivors' new wire and ranks (the same roles)."""
+        self.wire, self.roles = wire, roles
+        if self.tables:
+            self.tables.wire, self.tables.roles = wire, roles
+
     def run(self, segment: Segment, probe) -> None:
         """Take shares until the dispatcher says every share of the segment is committed.
 
@@ -100,11 +115,11 @@ class Worker:
         one is known (its answer arrives while this one computes); the dispatcher holds a TAKE it
         cannot answer yet, so a worker never holds two shares it could not finish."""
         dispatcher, asked = self.roles.dispatcher, None
-        ahead = (self.job.ps.mode == "sync" or self.replica is not None) and self.job.membership is None
+        ahead = (self.mode.static_dispatch or self.replica is not None) and self.job.membership is None
         while True:
             with self.clock.phase("wait"):
                 if asked is None:  # not asked ahead: the parameters may come with the share
-                    self.wire.send(dispatcher, Message(Kind.TAKE, version=int(self.replica is None)))
+                    self.wire.send(dispatcher, Take(with_params=self.replica is None).message())
                     asked = self.wire.expect(dispatcher, answer=True)
                 asked[1].wait()
                 reply, asked = Message.decode(asked[0], dispatcher).expect(dispatcher, Kind.TASK, Kind.DONE), None
@@ -115,20 +130,21 @@ class Worker:
             segment.check_share(dispatcher, reply)
             reply.check(dispatcher, "version", reply.version in (0, 1), "0 or 1")
             if ahead:
-                self.wire.send(dispatcher, Message(Kind.TAKE))
+                self.wire.send(dispatcher, Take(with_params=False).message())
                 asked = self.wire.expect(dispatcher, answer=True)
-            least = reply.clock - self.bound if self.bound is not None else 0
+            task = Task.read(reply)
+            least = self.mode.least_version(task.clock)
             if self.replica:  # hybrid: the share's first row request is its pull (`WorkerTables.gate`)
                 with self.clock.phase("push"):
                     self.wire.settle()
-                self.tables.gate, versions = (reply.clock, least), None
+                cast(WorkerTables, self.tables).gate, versions = (task.clock, least), None
             else:
-                versions = self.pull(reply.clock, least, bundled=bool(reply.version))
+                versions = self.pull(task.clock, least, bundled=task.params_follow)
             if versions is None and not self.replica:  # an earlier share, lost with a dead worker, comes first
-                self.wire.send(dispatcher, Message(Kind.RETURN, clock=reply.clock, chunk=reply.chunk))
+                self.wire.send(dispatcher, Return(task.clock, task.chunk).message())
                 continue
-            indices = segment.indices(reply.clock, reply.chunk)
-            self.compute(indices, segment.batch(reply.clock).size, (reply.clock, reply.chunk, versions), probe)
+            indices = segment.indices(task.clock, task.chunk)
+            self.compute(indices, segment.batch(task.clock).size, (task.clock, task.chunk, versions), probe)
             self.clock.samples += len(indices)
         with self.clock.phase("push"):
             self.wire.settle()
@@ -148,7 +164,7 @@ class Worker:
         heads = []
         for s, server in enumerate(servers):
             if not (bundled and s == 0):
-                self.wire.send(server, Message(Kind.PULL, clock=clock, version=least))
+                self.wire.send(server, Pull(clock, least).message())
             heads.append(self.wire.expect(server))
         versions, updates, payloads, retry = [], [], [], False
         for s, (head, work) in enumerate(heads):  # the dispatcher (server 0) first: only it says RETRY
@@ -157,13 +173,14 @@ class Worker:
             if reply.kind == Kind.RETRY:
                 if not retry:  # every other server answers once more: PARAMS if it already had, else RETRY
                     for later in servers[s + 1 :]:
-                        self.wire.send(later, Message(Kind.CANCEL))
+                        self.wire.send(later, bare(Kind.CANCEL))
                 retry = True
                 continue
             low, high = self.layout.shard(s)
             payloads.append(self.wire.payload_from(servers[s], self.flat[low:high]))
-            versions.append(reply.version)
-            updates.append(reply.clock)
+            params = Params.read(reply)
+            versions.append(params.version)
+            updates.append(params.updates)
         for work in payloads:
             work.wait()
         if retry:
@@ -173,7 +190,7 @@ class Worker:
                 self.prediction.pulled(s, count)
         return versions
 
-    def compute(self, indices: list[int], batch_size: int, task: tuple[int, int, list[int]], probe) -> float:
+    def compute(self, indices: list[int], batch_size: int, task: Share, probe) -> float:
         """Forward and backward of one share (weighted 1 / global batch, as data parallelism
         weights it); its buckets go out as backward produces them, then a commit to every server."""
         self.grads.zero_()
@@ -217,27 +234,19 @@ class Worker:
         """Hybrid: the dense gradient reduced among the workers and its step taken or deferred;
         what the commit tells the servers (sync: the dense part's square; ssp: the estimated global
         square, scaled as a share's own norm is)."""
+        replica = cast(DenseReplica, self.replica)
         with self.clock.phase("push"):
-            dense_sq = self.replica.reduced()
-            global_sq = 0.0 if self.replica.deferred else self.replica.estimate_sq(dense_sq, tables_sq)
+            dense_sq = replica.reduced()
+            global_sq = 0.0 if replica.deferred else replica.estimate_sq(dense_sq, tables_sq)
         with self.clock.phase("compute"):
-            self.replica.computed(clock, global_sq)
-        return dense_sq if self.replica.deferred else global_sq * share * share
+            replica.computed(clock, global_sq)
+        return dense_sq if replica.deferred else global_sq * share * share
 
-    def _commit(self, task: tuple[int, int, list[int]], samples: int, loss_sum: float, norm_sq: float) -> None:
-        clock, chunk, versions = task
-        versions = versions or self.tables.versions  # hybrid: what the share's first row request heard
+    def _commit(self, task: Share, samples: int, loss_sum: float, norm_sq: float) -> None:
+        clock, chunk, pulled = task
+        versions = pulled or cast(WorkerTables, self.tables).versions  # hybrid: what its first row request heard
         commits = [
-            Message(
-                Kind.COMMIT,
-                clock=clock,
-                chunk=chunk,
-                version=version,
-                samples=samples,
-                oldest=min(versions),
-                loss=loss_sum,
-                norm_sq=norm_sq,
-            )
+            Commit(clock, chunk, version, samples, oldest=min(versions), loss=loss_sum, norm_sq=norm_sq).message()
             for version in versions
         ]
         for s in range(1, self.roles.servers):
@@ -260,11 +269,12 @@ class Worker:
     def _push(self, bucket: int) -> None:
         server, k, low, high = self.buckets[bucket]
         if server is None:
-            self.replica.reduce(low, high)
+            cast(DenseReplica, self.replica).reduce(low, high)
             return
-        clock, chunk, versions = self.task
+        clock, chunk, pulled = self.task
+        versions = cast(list[int], pulled)  # pushed to a server: the share was pulled
         self.wire.send(
             self.roles.server_rank(server),
-            Message(Kind.PUSH, clock=clock, chunk=chunk, version=versions[server], bucket=k),
+            Push(clock, chunk, pulled=versions[server], bucket=k).message(),
             self.codec.encode(self.grads[low:high]),
         )  # fp32: a view, else a copy the wire keeps until sent
