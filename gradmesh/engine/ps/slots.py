@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gradmesh.parallel.ps import Layout
+from gradmesh.parallel.state import probe_state
 
 
 def slot_bytes(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> int:
@@ -21,13 +22,7 @@ def slot_bytes(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> int:
 
 class OptimizerSlots:
     def __init__(self, optimizer_class: type, kwargs: dict):
-        probe = nn.Parameter(torch.zeros(2))
-        optimizer = optimizer_class([probe], **dict(kwargs, lr=0.0))
-        probe.grad = torch.zeros(2)
-        optimizer.step()  # torch optimizers make their state on the first step
-        state = optimizer.state[probe]
-        self.elementwise = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == probe.shape]
-        self.scalars = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape != probe.shape}
+        self.elementwise, self.scalars = probe_state(optimizer_class, kwargs)
 
     def template(self, named: list[tuple[str, nn.Parameter]]) -> dict:
         """Zeros shaped as the state of these parameters to be loaded (DCP loads into given tensors)."""
