@@ -214,6 +214,11 @@ def meta_model(cfg: Config) -> nn.Module:
         return mlp.MLP(hidden=cfg.model.hidden)
 
 
+def train_size(cfg: Config) -> int:
+    """Samples in one pass over the configured training data."""
+    return len(build(cfg, torch.device("cpu")).train_data)
+
+
 def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of the configured model."""
     return {name: tuple(t.shape) for name, t in meta_model(cfg).state_dict().items()}

@@ -159,7 +159,7 @@ def test_cli_reads_the_registry_without_importing_torch():
 
 def test_every_registry_row_resolves_to_real_functions():
     for row in registry.ROWS:
-        for ref in (row.apply, row.sync, row.optimizer, row.optimizer_state, row.load_optimizer_state):
+        for ref in (row.apply, row.sync, row.optimizer, row.optimizer_state, row.load_optimizer_state, row.cost):
             assert ref is None or callable(registry.load(ref)), (row.name, ref)
     from gradmesh.engine import ENGINES
 

@@ -9,12 +9,13 @@ and what is accepted, and exits with code 2. Nothing here imports torch until a 
 
 import sys
 
-from gradmesh.cli import export, monitor, run, train
+from gradmesh.cli import export, monitor, plan, run, train
 from gradmesh.cli.options import Parser
 from gradmesh.errors import EXIT_USAGE, NothingToDo, UsageError
 
 COMMANDS = {
     "train": train.cmd_train,
+    "plan": plan.cmd_plan,
     "run": run.cmd_run,
     "export": export.cmd_export,
     "monitor": monitor.cmd_monitor,
@@ -25,7 +26,7 @@ COMMANDS = {
 def build_parser() -> Parser:
     parser = Parser(prog="gradmesh", description="Distributed training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
-    for command in (train, run, export, monitor):  # the order `gradmesh --help` lists them in
+    for command in (train, plan, run, export, monitor):  # the order `gradmesh --help` lists them in
         command.add_parser(sub)
     return parser
 

@@ -3,7 +3,6 @@
 
 import argparse
 import functools
-import math
 import socket
 import sys
 from pathlib import Path
@@ -14,15 +13,12 @@ from gradmesh.chaos import check_chaos, parse_inject
 from gradmesh.cli.memory import check_memory
 from gradmesh.cli.options import launch_shape, resolve_config
 from gradmesh.cli.train_options import add_parser  # noqa: F401 (the command's parser, built there)
-from gradmesh.config.balance import parse_balance
-from gradmesh.config.compression import parse_compression
 from gradmesh.config.fault import AUTO_TIMEOUT_CAP
-from gradmesh.config.ps import check_ps_options_need_ps
 from gradmesh.errors import NothingToDo, UsageError
 from gradmesh.files import atomic_write
-from gradmesh.mesh import DATA_AXES
 from gradmesh.monitor.monitor import parse_trace_steps
 from gradmesh.parallel import registry
+from gradmesh.parallel.jobs import job_plan
 from gradmesh.runlock import RunLock
 from gradmesh.specs import check_memory_faults, check_ranks
 
@@ -60,7 +56,7 @@ def check_train(cfg: configuration.Config, nproc: int, device: str = "cpu") -> P
 
     world = nproc * cfg.launch.nnodes
     meta_model = functools.cache(lambda: workloads.meta_model(cfg))
-    plan = _check_parallelism(cfg, nproc, world, meta_model)
+    plan = job_plan(cfg, nproc, world, meta_model)
     faults, chaos = parse_inject(cfg.fault.inject)
     check_ranks(faults, world)
     check_memory_faults(faults, cfg.train.balance)
@@ -90,43 +86,6 @@ def _default_fresh(cfg: configuration.Config) -> bool:
 def _job_key(cfg: configuration.Config) -> str:
     """What the launchers of one multi-node job share (they may share the run dir); '' on one machine."""
     return f"{cfg.launch.rdzv_endpoint}/{cfg.launch.rdzv_id}" if cfg.launch.nnodes > 1 else ""
-
-
-def _check_parallelism(cfg: configuration.Config, nproc: int, world: int, meta_model) -> registry.Plan:
-    """The strategy registry's checks; returns the plan (strategies on a named mesh) the workers build."""
-    check_ps_options_need_ps(cfg, cfg.train.strategy, [row.name for row in registry.ROWS if row.has_servers])
-    mesh = registry.mesh_for(cfg.train.strategy, world, cfg.train.mesh)
-    product = math.prod(mesh.values())
-    if product != world:
-        raise UsageError(
-            f"--mesh {cfg.train.mesh!r} spans {product} ranks but the job has {world} "
-            f"({nproc} per node x {cfg.launch.nnodes} nodes); make the product {world}"
-        )
-    cfg.check_world(math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
-    plan = registry.resolve(cfg.train.strategy, mesh)
-    plan.check(cfg, meta_model)
-    _check_balance(cfg, plan, math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
-    method = parse_compression(cfg.train.compression)[0]
-    if method not in plan.compressions:
-        accepted = ", ".join(plan.compressions)
-        raise UsageError(
-            f"--compression {cfg.train.compression} does not apply to {plan.label}; accepted with it: {accepted}"
-        )
-    return plan
-
-
-def _check_balance(cfg: configuration.Config, plan: registry.Plan, data_ranks: int) -> None:
-    how, shares = parse_balance(cfg.train.balance)
-    if how != "off" and not plan.accepts_balance:
-        raise UsageError(
-            f"--balance {cfg.train.balance} applies to strategies whose ranks step together (ddp, zero1, "
-            f"fsdp, tp meshes), not to {plan.label} (its own shares); leave it out"
-        )
-    if how == "static" and len(shares) != data_ranks:
-        raise UsageError(
-            f"--balance {cfg.train.balance} gives {len(shares)} shares for {data_ranks} data-parallel "
-            f"rank(s); give one share per rank, e.g. static:{','.join(['1'] * data_ranks)}"
-        )
 
 
 def _check_recovery(cfg: configuration.Config, plan: registry.Plan) -> None:

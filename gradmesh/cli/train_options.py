@@ -16,15 +16,20 @@ def add_parser(subparsers) -> None:
         description="Train a built-in workload on N workers: data parallel, sharded, "
         "tensor or pipeline parallel, composed on a mesh, or with parameter servers.",
     )
-    _add_what_options(train)
-    how = _add_how_options(train)
-    _add_optimisation_options(train, how)
+    add_job_options(train)
     run = _add_run_options(train)
     add_failure_options(train)
     _add_monitoring_options(train)
     # Added after the monitoring options so that the usage line lists it where it always has.
     run.add_argument("--quiet", action="store_true", default=None, help="no progress bar or summary table")
     add_launch_options(train)
+
+
+def add_job_options(parser: argparse.ArgumentParser) -> None:
+    """What to train and how: the options `gradmesh plan` shares with `gradmesh train`."""
+    _add_what_options(parser)
+    how = _add_how_options(parser)
+    _add_optimisation_options(parser, how)
 
 
 def _add_what_options(train: argparse.ArgumentParser) -> None:

@@ -202,10 +202,14 @@ class LaunchConfig:
     """This node's address as the others reach it (torchrun's --local-addr); empty: the interface's."""
     device: str = "auto"
     """auto (CUDA with NCCL where present, else CPU with gloo), cpu or cuda."""
+    memory_per_rank_mb: float = 0.0
+    """Memory one rank may use, in MiB, for the pre-launch memory check and `gradmesh plan` (0: each GPU's,
+    or this machine's RAM shared by its ranks)."""
 
     def __post_init__(self):
         _finite(self)
         _positive("launch", "nproc", self.nproc, allow_zero=True)
+        _positive("launch", "memory_per_rank_mb", self.memory_per_rank_mb, allow_zero=True)
         _positive("launch", "nnodes", self.nnodes)
         _one_of("launch", "device", self.device, DEVICES)
         _one_of("launch", "rdzv_backend", self.rdzv_backend, ("", "c10d", "static"))

@@ -50,6 +50,7 @@ ROWS = (
         "data parallel: replicas, gradients averaged by all-reduce (torch DDP)",
         state_bytes=lambda size, n: _all_bytes(size),
         wire_bytes=lambda size, n: 2 * _ring(n) * FP32 * size.params,
+        cost="gradmesh.plan.costs:ddp",
         beside_model_parallel=("gradmesh.parallel.data:apply_local", "gradmesh.parallel.data:flat_average_sync"),
         replicated=True,
         inplace_recovery=True,
@@ -62,6 +63,7 @@ ROWS = (
         "ZeRO-1: data parallel with the optimizer state sharded (ZeroRedundancyOptimizer)",
         state_bytes=lambda size, n: FP32 * size.params * (2 + size.slots / n),
         wire_bytes=lambda size, n: 3 * _ring(n) * FP32 * size.params,
+        cost="gradmesh.plan.costs:zero1",
         optimizer="gradmesh.parallel.sharded:zero1_optimizer",
         optimizer_state="gradmesh.parallel.sharded:zero1_state",
         load_optimizer_state="gradmesh.parallel.sharded:zero1_loaded",
@@ -75,6 +77,7 @@ ROWS = (
         "fully sharded: parameters, gradients and optimizer state split (FSDP2)",
         state_bytes=lambda size, n: _all_bytes(size) / n,
         wire_bytes=lambda size, n: 3 * _ring(n) * FP32 * size.params,
+        cost="gradmesh.plan.costs:fsdp",
         sync="gradmesh.parallel.sharded:fsdp_sync",
         casts_only=True,
     ),
@@ -86,6 +89,7 @@ ROWS = (
         "tensor parallel: attention heads and MLP columns split (DTensor plans)",
         state_bytes=_tp_state,
         wire_bytes=lambda size, n: 4 * size.layers * 2 * _ring(n) * size.activation_bytes,
+        cost="gradmesh.plan.costs:tp",
         sync="gradmesh.parallel.data:no_sync",
         checks=(check_tp,),
         splits_model=True,
@@ -98,6 +102,7 @@ ROWS = (
         "pipeline parallel: stages of layers, micro-batches in flight (gpipe, 1f1b, interleaved)",
         state_bytes=lambda size, n: _all_bytes(size) / n,
         wire_bytes=lambda size, n: 2 * _ring(n) * size.activation_bytes,
+        cost="gradmesh.plan.costs:pipeline",
         sync="gradmesh.parallel.data:no_sync",
         checks=(check_pipeline,),
         splits_model=True,
@@ -115,6 +120,7 @@ ROWS = (
         "parameters (sync, async, ssp:K)",
         state_bytes=lambda size, n: FP32 * size.params * 2,
         wire_bytes=lambda size, n: 2 * FP32 * size.params,
+        cost="gradmesh.plan.costs:ps",
         roles=(WORKER_ROLE, SERVER_ROLE),
         **PS_ENGINE_KEEPS_ITS_OWN_STATE,
         checks=(check_ps,),
@@ -134,6 +140,7 @@ ROWS = (
         "hybrid: sparse tables on parameter servers (sync or ssp:K), the dense network all-reduced among the workers",
         state_bytes=lambda size, n: _all_bytes(size),
         wire_bytes=lambda size, n: FP32 * size.params,
+        cost="gradmesh.plan.costs:hybrid",
         roles=(WORKER_ROLE, SERVER_ROLE),
         **PS_ENGINE_KEEPS_ITS_OWN_STATE,
         checks=(check_hybrid,),
@@ -206,6 +213,11 @@ class Plan:
         """Some ranks serve parameters (`Strategy.has_servers`); its gradients travel as pushes
         through the servers' wire, not through the reducer with each parameter's place."""
         return any(row.has_servers for row in self.rows)
+
+    @property
+    def pipelined(self) -> bool:
+        """Its steps run as a pipeline of micro-batches (--microbatches and --pp-schedule apply)."""
+        return any(row.engine == "pipeline" for row in self.rows)
 
     @property
     def step_breakdown(self) -> bool:

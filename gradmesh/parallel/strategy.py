@@ -50,6 +50,9 @@ class Strategy:
     """Bytes of parameters, gradients and optimizer state one rank holds at degree N (fp32)."""
     wire_bytes: Callable[[ModelSize, int], float]
     """Bytes one rank sends per optimizer step at degree N (ring collectives)."""
+    cost: str | None = None
+    """(Step, ranks) -> None: what this strategy adds to one rank's optimizer step, in seconds, and
+    how it reshapes the step for the rows after it (`gradmesh.plan.costs`); read by the planner."""
     roles: tuple[str, ...] = (WORKER_ROLE,)
     sync: str | None = "gradmesh.parallel.data:ddp_sync"
     """(model, last_micro_batch) -> context around one micro-batch's backward. This and the three

@@ -1,0 +1,90 @@
+"""`gradmesh plan [train options]`: every strategy this job could run with, predicted and ranked.
+
+Takes `gradmesh train`'s options for what to train and on how many workers, calibrates (or reads
+the cached calibration), and prints a ranked table: step time and its bottleneck, samples/s,
+speed-up over one worker and its efficiency, memory per rank, time and cost to train the data
+volume. Writes the whole prediction to `plan.json` (`--out`).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from gradmesh import config as configuration
+from gradmesh.cli.options import integer, launch_shape, nproc_type, number, resolve_config
+from gradmesh.cli.train_options import add_job_options
+from gradmesh.errors import UsageError
+from gradmesh.files import atomic_write
+from gradmesh.paths import checked
+
+MARK = "gradmesh plan"
+"""plan.json's "written_by": a file without it is not ours to replace."""
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="predict and rank every strategy for a job before running it",
+        description="Predict the step time, memory, speed-up and cost of every strategy the registry allows "
+        "for this model and worker count, from a short calibration on this machine (cached), and rank them.",
+    )
+    add_job_options(parser)
+    volume = parser.add_argument_group("what the plan answers")
+    volume.add_argument("--samples", type=integer, metavar="N", help="data volume to train (default: steps x batch)")
+    volume.add_argument("--epochs", type=number, metavar="E", help="data volume as passes over the training data")
+    volume.add_argument("--price-per-hour", type=number, metavar="P", help="price of one worker per hour, for cost")
+    volume.add_argument("--memory-per-rank", type=number, metavar="MB", help="memory one rank may use, in MiB")
+    volume.add_argument("--refresh", action="store_true", help="calibrate again instead of using the cached one")
+    volume.add_argument("--top", type=integer, metavar="K", help="rows shown (default 12; plan.json has all)")
+    volume.add_argument("--out", default="plan.json", metavar="FILE", help="where the prediction goes (plan.json)")
+    launch = parser.add_argument_group("where")
+    launch.add_argument("--nproc", type=nproc_type, metavar="N", help="workers per machine (default: as gradmesh train)")
+    launch.add_argument("--nnodes", type=integer, metavar="N", help="machines (default 1)")
+    launch.add_argument("--device", choices=configuration.DEVICES)
+    parser.set_defaults(run_dir=None, resume=None)
+
+
+def _volume(args: argparse.Namespace, cfg: configuration.Config) -> int:
+    if args.samples is not None and args.epochs is not None:
+        raise UsageError("--samples and --epochs both give the data volume; give one")
+    if args.samples is not None:
+        return args.samples
+    if args.epochs is not None:
+        from gradmesh import workloads
+
+        return math.ceil(args.epochs * workloads.train_size(cfg))
+    return cfg.train.max_steps * cfg.train.global_batch_size
+
+
+def _check_out(text: str) -> Path:
+    path = checked(text, "--out", "a path for plan.json", missing_ok=True)
+    if path.exists():
+        try:
+            ours = json.loads(path.read_text()).get("written_by") == MARK
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise UsageError(f"--out {text}: the file exists and gradmesh did not write it; give another path")
+    return path
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.memory_per_rank is not None:
+        args.set = [*args.set, f"launch.memory_per_rank_mb={args.memory_per_rank}"]
+    cfg = resolve_config(args)
+    device, nproc = launch_shape(cfg.launch)
+    out = _check_out(args.out)
+    samples = _volume(args, cfg)
+    from gradmesh.cli.plan_table import machine_for, print_plan, to_json
+    from gradmesh.plan.planner import plan
+
+    machine = machine_for(cfg, nproc, device, args.price_per_hour)
+    print(f"gradmesh plan: calibrating {cfg.model.name} on {nproc} worker(s) (cached after the first time)", file=sys.stderr)
+    planned = plan(cfg, machine, samples, refresh=args.refresh)
+    print_plan(planned, machine, args.top or 12)
+    atomic_write(out, json.dumps({"written_by": MARK, **to_json(planned, machine)}, indent=1))
+    print(f"wrote {os.fspath(out)}", file=sys.stderr)
+    return 0

@@ -1,0 +1,49 @@
+"""The plan (strategies on a named mesh) a job's configuration asks for, checked before launch:
+what `gradmesh train` refuses with one line, and what the planner asks of each candidate."""
+
+import math
+
+from gradmesh import config as configuration
+from gradmesh.config.balance import parse_balance
+from gradmesh.config.compression import parse_compression
+from gradmesh.config.ps import check_ps_options_need_ps
+from gradmesh.errors import UsageError
+from gradmesh.mesh import DATA_AXES
+from gradmesh.parallel import registry
+
+
+def job_plan(cfg: configuration.Config, nproc: int, world: int, meta_model) -> registry.Plan:
+    """The strategy registry's checks; returns the plan (strategies on a named mesh) the workers build."""
+    check_ps_options_need_ps(cfg, cfg.train.strategy, [row.name for row in registry.ROWS if row.has_servers])
+    mesh = registry.mesh_for(cfg.train.strategy, world, cfg.train.mesh)
+    product = math.prod(mesh.values())
+    if product != world:
+        raise UsageError(
+            f"--mesh {cfg.train.mesh!r} spans {product} ranks but the job has {world} "
+            f"({nproc} per node x {cfg.launch.nnodes} nodes); make the product {world}"
+        )
+    cfg.check_world(math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
+    plan = registry.resolve(cfg.train.strategy, mesh)
+    plan.check(cfg, meta_model)
+    check_balance(cfg, plan, math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
+    method = parse_compression(cfg.train.compression)[0]
+    if method not in plan.compressions:
+        accepted = ", ".join(plan.compressions)
+        raise UsageError(
+            f"--compression {cfg.train.compression} does not apply to {plan.label}; accepted with it: {accepted}"
+        )
+    return plan
+
+
+def check_balance(cfg: configuration.Config, plan: registry.Plan, data_ranks: int) -> None:
+    how, shares = parse_balance(cfg.train.balance)
+    if how != "off" and not plan.accepts_balance:
+        raise UsageError(
+            f"--balance {cfg.train.balance} applies to strategies whose ranks step together (ddp, zero1, "
+            f"fsdp, tp meshes), not to {plan.label} (its own shares); leave it out"
+        )
+    if how == "static" and len(shares) != data_ranks:
+        raise UsageError(
+            f"--balance {cfg.train.balance} gives {len(shares)} shares for {data_ranks} data-parallel "
+            f"rank(s); give one share per rank, e.g. static:{','.join(['1'] * data_ranks)}"
+        )

@@ -1,0 +1,167 @@
+"""One rank's optimizer step, in seconds, as each strategy shapes it: the registry rows' cost functions.
+
+A `Step` starts as the whole model's step on one rank's share of the data; the rows of a plan
+then act on it in composition order (`Strategy.cost`), as they act on the model: tensor parallel
+divides each pass and adds the activations' all-reduces, a pipeline cuts the passes into
+stages and micro-batches and adds the bubble and the hand-overs, and the data axis (or the
+parameter servers) adds the gradients' way to the others and the optimizer's share. Collective
+times come from the measured link (`gradmesh.plan.link`: alpha + bytes x beta per call, ring
+bytes per kind), compute from the measured model (`gradmesh.plan.compute`).
+
+What the model leaves out, on purpose: overlap of gradient reduction with backward on CPU
+(gloo's threads compete with the workers' own for the same cores, so reduction is counted in
+full; on CUDA, half of backward can hide it, `OVERLAP_CUDA`), compression's own arithmetic, and
+the Python of the training loop (a fixed cost per step, calibrated separately as `loop_s`).
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gradmesh.plan.compute import ComputeProfile
+
+FP32 = 4
+DDP_BUCKET_BYTES = 25 * 2**20
+OVERLAP_CUDA = 0.5
+"""Share of backward that NCCL's own stream can hide gradient reduction behind (an assumption: no
+GPU here to measure it)."""
+
+
+class Network(Protocol):
+    def time(self, kind: str, nbytes: float, ranks: int, calls: int = 1) -> float:
+        """Seconds for `calls` collectives of `kind` moving `nbytes` in all over `ranks` ranks."""
+        ...
+
+
+@dataclass(frozen=True)
+class Options:
+    """The job's settings a cost function reads besides the model and the link."""
+
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    servers: int = 1
+    tp_params: int = 0
+    """Parameters the tensor-parallel plan splits."""
+    table_params: int = 0
+    """Parameters in sparse tables (recsys): rows move as touched, not whole."""
+    table_rows: int = 0
+    rows_per_sample: float = 0.0
+    """Table rows one sample touches (one per categorical feature)."""
+    row_bytes: float = 0.0
+    cuda: bool = False
+
+
+@dataclass
+class Step:
+    """One rank's optimizer step as the rows applied so far leave it."""
+
+    compute: ComputeProfile
+    network: Network
+    options: Options
+    micro_samples: float
+    """Samples in one of this rank's micro-batches (forward and backward passes)."""
+    micro: int
+    """Micro-batches per optimizer step."""
+    params: float
+    """Parameters whose gradients and optimizer state this rank holds, before the data axis."""
+    grad_bytes_per_param: float = FP32
+    """On the wire, after compression."""
+    compute_share: float = 1.0
+    """Share of a whole-model pass this rank computes (model parallelism splits it)."""
+    in_flight: float = 1.0
+    """Micro-batches whose activations are alive at once."""
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, part: str, seconds: float) -> None:
+        self.parts[part] = self.parts.get(part, 0.0) + seconds
+
+    def pass_s(self) -> float:
+        """One micro-batch's forward and backward on this rank."""
+        c = self.compute
+        return (c.fixed_s + c.per_sample_s * self.micro_samples) * self.compute_share
+
+    def reduce_gradients(self, kind: str, ranks: int, calls: int = 1) -> float:
+        """Exposed seconds of one reduction of this rank's gradients."""
+        seconds = self.network.time(kind, self.params * self.grad_bytes_per_param, ranks, calls)
+        if self.options.cuda:
+            seconds = max(seconds - OVERLAP_CUDA * self.pass_s() * 2 / 3, 0.0)  # backward ~ 2/3 of a pass
+        return seconds
+
+    def optimizer(self, params: float) -> None:
+        self.add("optimizer", params * self.compute.optimizer_s_per_param)
+
+
+def _buckets(params: float) -> int:
+    return max(1, math.ceil(params * FP32 / DDP_BUCKET_BYTES))
+
+
+def ddp(step: Step, ranks: int) -> None:
+    """One bucketed all-reduce per step (no_sync for the other micro-batches), every parameter stepped."""
+    step.add("comm", step.reduce_gradients("all_reduce", ranks, _buckets(step.params)))
+    step.optimizer(step.params)
+
+
+def zero1(step: Step, ranks: int) -> None:
+    """ddp's all-reduce; each rank steps its shard, then every shard is broadcast from its owner."""
+    step.add("comm", step.reduce_gradients("all_reduce", ranks, _buckets(step.params)))
+    step.add("comm", step.network.time("broadcast", FP32 * step.params, ranks, calls=ranks))
+    step.optimizer(step.params / ranks)
+
+
+def fsdp(step: Step, ranks: int) -> None:
+    """Per micro-batch, each unit's parameters gathered for forward and again for backward; the
+    gradients reduce-scattered once per step; each rank steps its shard."""
+    units = step.compute.layers + 2
+    gathers = step.network.time("all_gather", FP32 * step.params, ranks, calls=units)
+    step.add("comm", 2 * step.micro * gathers + step.reduce_gradients("reduce_scatter", ranks, units))
+    step.optimizer(step.params / ranks)
+
+
+def tp(step: Step, ranks: int) -> None:
+    """Megatron's layout: each block all-reduces its activations twice forward, twice backward."""
+    layers = step.compute.layers
+    activation = step.micro_samples * step.compute.boundary_bytes_per_sample
+    step.add("comm", step.micro * step.network.time("all_reduce", 4 * layers * activation, ranks, calls=4 * layers))
+    step.compute_share /= ranks
+    split = step.options.tp_params
+    step.params = step.params - split + split / ranks
+
+
+def pipeline(step: Step, stages: int) -> None:
+    """Each micro-batch cut into `microbatches`; a stage runs its share of every one, plus the
+    fill and drain of (stages - 1) ticks (GPipe, 1F1B and interleaved alike: interleaving's
+    smaller bubble has its own hand-overs), and hands activations on and gradients back."""
+    m = step.options.microbatches
+    step.micro_samples /= m
+    step.micro *= m
+    step.compute_share /= stages
+    step.add("bubble", (stages - 1) * step.pass_s() * (step.micro // m))
+    boundary = step.micro_samples * step.compute.boundary_bytes_per_sample
+    ticks = step.micro + (stages - 1) * (step.micro // m)
+    step.add("comm", 2 * ticks * step.network.time("p2p", boundary, 2) if stages > 1 else 0.0)
+    step.in_flight = stages if step.options.schedule != "gpipe" else m
+    step.params /= stages
+
+
+def ps(step: Step, ranks: int) -> None:
+    """Each worker pushes its whole gradient to the servers and pulls the parameters back; a
+    server takes every worker's share of its shard in turn and steps once per step (sync)."""
+    servers = step.options.servers
+    workers = max(ranks - servers, 1)
+    shard = FP32 * step.params / servers
+    step.add("comm", 2 * workers * step.network.time("p2p", shard, 2))
+    step.add("server", workers * shard / FP32 * step.compute.add_s_per_param)  # summing the pushes
+    step.optimizer(step.params / servers)
+
+
+def hybrid(step: Step, ranks: int) -> None:
+    """The dense part as ddp among the workers; the rows a step touched pushed to and pulled from
+    the servers (ids and values), the servers stepping only those rows."""
+    options = step.options
+    workers = max(ranks - options.servers, 1)
+    dense = step.params - options.table_params
+    step.add("comm", step.network.time("all_reduce", dense * step.grad_bytes_per_param, workers, _buckets(dense)))
+    rows = min(step.micro_samples * step.micro * options.rows_per_sample, options.table_rows)
+    row_bytes = rows * (options.row_bytes + 8)
+    step.add("comm", 2 * workers * step.network.time("p2p", row_bytes / options.servers, 2))
+    step.optimizer(dense + rows * options.row_bytes / FP32)

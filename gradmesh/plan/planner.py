@@ -1,0 +1,173 @@
+"""`gradmesh plan`: calibrate once per machine and model shape, predict every candidate, rank them.
+
+Calibration (`Calibration`) is the model's compute at the thread counts the plans would give a
+worker and the link's collectives at the group sizes they would form. It is cached under the
+user's cache folder (`$XDG_CACHE_HOME/gradmesh/calibration/`, one JSON file per key: this
+machine's processor, core count and torch version, the model's parameter shapes, the optimizer
+and the batch sizes timed), so planning twice is instant; `refresh` measures again.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gradmesh import config as configuration
+from gradmesh.files import atomic_write
+from gradmesh.parallel.state import probe_state
+from gradmesh.plan import costs
+from gradmesh.plan.candidates import Candidate, candidates, data_ranks
+from gradmesh.plan.compute import ComputeProfile, measure_compute
+from gradmesh.plan.link import LinkProfile, bytes_moved, measure_link
+from gradmesh.plan.predict import Machine, Prediction, predict, settle
+
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    compute: dict[int, ComputeProfile]
+    """By threads per worker."""
+    links: dict[int, LinkProfile]
+    """By group size."""
+
+    def time(self, kind: str, nbytes: float, ranks: int, calls: int = 1) -> float:
+        """`costs.Network`: a group size not calibrated uses the nearest one's per-byte time, with a
+        ring's per-call latency growing with its steps (ranks - 1)."""
+        if ranks <= 1 or nbytes <= 0 or not self.links:
+            return 0.0
+        link = self.links.get(ranks) or self.links[min(self.links, key=lambda n: abs(n - ranks))]
+        fit = link.fits[kind]
+        steps = (ranks - 1) / max(link.world - 1, 1)
+        return calls * fit.alpha_s * steps + bytes_moved(kind, nbytes, ranks) * fit.beta_s_per_byte
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "compute": {str(k): v.to_json() for k, v in self.compute.items()},
+            "links": {str(k): v.to_json() for k, v in self.links.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Calibration":
+        if data.get("format") != FORMAT:
+            raise ValueError(f"calibration format {data.get('format')!r}, expected {FORMAT}")
+        return cls(
+            {int(k): ComputeProfile.from_json(v) for k, v in data["compute"].items()},
+            {int(k): LinkProfile.from_json(v) for k, v in data["links"].items()},
+        )
+
+
+@dataclass
+class Planned:
+    ranked: list[Prediction]
+    """Those that fit, fastest first, then those that do not, by how much they miss."""
+    refused: list[tuple[Candidate, str]]
+    single_step_s: float
+    samples: int
+    cache: Path
+    cached: bool
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "gradmesh" / "calibration"
+
+
+def _batch_sizes(cfg: configuration.Config, machine: Machine) -> tuple[int, ...]:
+    """Micro-batches from the smallest any candidate runs (a pipeline's slice of one rank's share)
+    to the largest (one worker taking the whole batch)."""
+    batch = cfg.train.global_batch_size
+    smallest = max(1, batch // (machine.world * 2 * 8))
+    return tuple(sorted({smallest, max(smallest, batch // machine.world), batch}))
+
+
+def _key(cfg: configuration.Config, machine: Machine, sizes: tuple[int, ...], groups: list[int]) -> str:
+    from gradmesh import workloads
+    from gradmesh.loop.trainer import optimizer_spec
+
+    optimizer_class, kwargs = optimizer_spec(cfg.train)
+    what = {
+        "machine": [platform.processor() or platform.machine(), os.cpu_count(), torch.__version__],
+        "model": sorted(workloads.model_shapes(cfg).items()),
+        "optimizer": [optimizer_class.__name__, probe_state(optimizer_class, kwargs)[0]],
+        "threads": sorted({machine.threads(machine.nproc), machine.threads(1)}),
+        "sizes": sizes,
+        "groups": groups,
+    }
+    return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
+
+
+def calibrate(cfg: configuration.Config, machine: Machine, refresh: bool = False) -> tuple[Calibration, Path, bool]:
+    """(calibration, its cache file, whether it came from the cache)."""
+    sizes = _batch_sizes(cfg, machine)
+    groups = sorted({n for n in (2, machine.nproc) if n > 1})
+    path = cache_dir() / f"{cfg.model.name}-{_key(cfg, machine, sizes, groups)}.json"
+    if path.is_file() and not refresh:
+        try:
+            return Calibration.from_json(json.loads(path.read_text())), path, True
+        except (ValueError, KeyError, TypeError):
+            pass  # a calibration of another format or a torn file: measured again
+    threads = sorted({machine.threads(machine.nproc), machine.threads(1)})
+    compute = {t: measure_compute(cfg, t, sizes) for t in threads}
+    links = {n: measure_link(n, threads=machine.threads(n)) for n in groups}
+    found = Calibration(compute, links)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(found.to_json(), indent=1))
+    return found, path, False
+
+
+def _options(cfg: configuration.Config, machine: Machine) -> costs.Options:
+    from gradmesh import workloads
+    from gradmesh.parallel.ps import sparse_tables
+    from gradmesh.parallel.tensor import tp_parameter_count
+
+    model = workloads.meta_model(cfg)
+    tables = [table for _, table in sparse_tables(model)]
+    return costs.Options(
+        microbatches=cfg.train.microbatches,
+        schedule=cfg.train.pp_schedule,
+        servers=cfg.ps.servers,
+        tp_params=tp_parameter_count(model),
+        table_params=sum(t.weight.numel() for t in tables),
+        table_rows=sum(t.weight.shape[0] for t in tables),
+        rows_per_sample=len(tables),
+        row_bytes=costs.FP32 * (tables[0].weight.shape[1] if tables else 0),
+        cuda=machine.cuda,
+    )
+
+
+def plan(cfg: configuration.Config, machine: Machine, samples: int, refresh: bool = False) -> Planned:
+    """Every candidate predicted and ranked; `samples`: the data volume to train."""
+    from gradmesh import workloads
+
+    calibration, path, cached = calibrate(cfg, machine, refresh)
+    shapes = workloads.model_shapes(cfg)
+    allowed, refused = candidates(cfg, machine.nproc, machine.world)
+    found = []
+    for candidate, job in allowed:
+        configured = candidate.configured(cfg)
+        options = dataclasses.replace(_options(configured, machine), microbatches=candidate.microbatches)
+        found.append(predict(configured, candidate, job, calibration.compute, calibration, machine, options, shapes))
+    single = _single_worker_step(cfg, calibration, machine, shapes)
+    settle(found, single, samples, machine)
+    ranked = sorted((p for p in found if p.fits), key=lambda p: p.step_s)
+    ranked += sorted((p for p in found if not p.fits), key=lambda p: p.peak_bytes)
+    return Planned(ranked, refused, single, samples, path, cached)
+
+
+def _single_worker_step(cfg, calibration: Calibration, machine: Machine, shapes) -> float:
+    """The step of one worker with every core: what speed-up is measured against."""
+    from gradmesh.parallel import registry
+
+    one = dataclasses.replace(machine, nproc=1, nnodes=1)
+    baseline = Candidate(registry.ROWS[0].name)
+    job = registry.resolve(baseline.strategy, registry.mesh_for(baseline.strategy, 1))
+    options = _options(cfg, one)
+    assert data_ranks(job) == 1
+    return predict(cfg, baseline, job, calibration.compute, calibration, one, options, shapes).step_s

@@ -1,0 +1,157 @@
+"""A candidate's predicted step: its time in parts, its memory per rank, and what follows from them
+(samples/s, time and cost to train the data volume, speed-up over one worker).
+
+The step is built by the plan's registry rows (`gradmesh.plan.costs`); the compute parts are then
+scaled for the cores the machine's busy processes share: N workers of T threads each on C cores
+run at C / (N x T) of their calibrated speed when N x T > C.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from gradmesh import config as configuration
+from gradmesh.parallel import registry
+from gradmesh.parallel.state import optimizer_slots
+from gradmesh.plan import costs
+from gradmesh.plan.candidates import Candidate, data_ranks
+from gradmesh.plan.compute import ComputeProfile
+
+SHARED_PARTS = ("compute", "bubble", "optimizer", "server")
+"""Parts that run on the cores (and slow down when the workers oversubscribe them)."""
+BOTTLENECK_WORDS = {
+    "compute": "compute-bound",
+    "comm": "communication-bound",
+    "bubble": "pipeline bubble",
+    "optimizer": "optimizer step",
+    "server": "server-bound",
+}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where the job would run."""
+
+    nproc: int
+    nnodes: int = 1
+    cores: int = 1
+    memory_per_rank: float | None = None
+    """Bytes one rank can hold (a GPU's, or the machine's RAM shared by its ranks)."""
+    cuda: bool = False
+    price_per_hour: float | None = None
+    """Per worker (rank)."""
+
+    @property
+    def world(self) -> int:
+        return self.nproc * self.nnodes
+
+    def threads(self, local: int) -> int:
+        return max(1, self.cores // local)
+
+
+@dataclass
+class Prediction:
+    candidate: Candidate
+    plan: str
+    step_s: float
+    parts: dict[str, float]
+    state_bytes: float
+    activation_bytes: float
+    peak_bytes: float
+    fits: bool
+    samples_per_s: float
+    train_s: float
+    world: int
+    speedup: float = 1.0
+    efficiency: float = 1.0
+    cost: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bottleneck(self) -> str:
+        part = max(self.parts, key=lambda k: self.parts[k])
+        return f"{BOTTLENECK_WORDS.get(part, part)} ({self.parts[part] / self.step_s:.0%})"
+
+
+def wire_bytes_per_param(compression: str, shapes: dict[str, tuple[int, ...]]) -> float:
+    """Bytes per gradient element on the wire under `compression`, in its steady state."""
+    from gradmesh.comm.compress import reducer_for
+
+    reducer = reducer_for(compression)
+    params = sum(math.prod(s) for s in shapes.values())
+    if reducer is None or not params:
+        return costs.FP32
+    if hasattr(reducer, "seen"):
+        reducer.seen = {name: 1 << 30 for name in shapes}  # past any plain start-up steps
+    flat = torch.empty(params, device="meta")
+    return reducer.wire_bytes(flat, [(name, torch.Size(s)) for name, s in shapes.items()]) / params
+
+
+def _model_size(cfg: configuration.Config, profile: ComputeProfile, options: costs.Options) -> registry.ModelSize:
+    from gradmesh.loop.trainer import optimizer_spec
+
+    optimizer_class, kwargs = optimizer_spec(cfg.train)
+    return registry.ModelSize(
+        params=profile.params, slots=optimizer_slots(optimizer_class, kwargs), tp_params=options.tp_params
+    )
+
+
+def predict(
+    cfg: configuration.Config,
+    candidate: Candidate,
+    plan: registry.Plan,
+    profiles: dict[int, ComputeProfile],
+    network: costs.Network,
+    machine: Machine,
+    options: costs.Options,
+    shapes: dict[str, tuple[int, ...]],
+) -> Prediction:
+    """`profiles`: the compute calibration by threads per worker."""
+    workers = data_ranks(plan, options.servers)
+    local_busy = min(machine.nproc, workers)
+    profile = profiles[machine.threads(machine.nproc)]
+    step = costs.Step(
+        compute=profile,
+        network=network,
+        options=options,
+        micro_samples=cfg.train.global_batch_size / (workers * candidate.grad_accum),
+        micro=candidate.grad_accum,
+        params=profile.params,
+        grad_bytes_per_param=wire_bytes_per_param(candidate.compression, shapes),
+    )
+    for row in plan.rows:
+        assert row.cost is not None, row.name  # every row has a cost function (tests/test_architecture.py)
+        registry.load(row.cost)(step, plan.mesh[row.axis])
+    step.add("compute", step.micro * step.pass_s())
+    oversubscribed = max(1.0, local_busy * profile.threads / machine.cores)
+    parts = {k: v * (oversubscribed if k in SHARED_PARTS else 1.0) for k, v in step.parts.items() if v > 0}
+    step_s = sum(parts.values())
+    state = plan.state_bytes(_model_size(cfg, profile, options))
+    activations = profile.activation_bytes_per_sample * step.micro_samples * step.compute_share * step.in_flight
+    peak = profile.base_bytes + state + activations
+    samples_per_s = cfg.train.global_batch_size / step_s
+    return Prediction(
+        candidate=candidate,
+        plan=plan.label,
+        step_s=step_s,
+        parts=parts,
+        state_bytes=state,
+        activation_bytes=activations,
+        peak_bytes=peak,
+        fits=machine.memory_per_rank is None or peak <= machine.memory_per_rank,
+        samples_per_s=samples_per_s,
+        train_s=0.0,
+        world=machine.world,
+    )
+
+
+def settle(predictions: list[Prediction], single_s: float, samples: int, machine: Machine) -> None:
+    """Fill in what needs every prediction or the one-worker baseline: time and cost to train
+    `samples`, speed-up over one worker taking `single_s` per step, its efficiency."""
+    for p in predictions:
+        p.train_s = samples / p.samples_per_s
+        p.speedup = single_s / p.step_s
+        p.efficiency = p.speedup / p.world
+        if machine.price_per_hour is not None:
+            p.cost = p.train_s / 3600 * machine.price_per_hour * p.world
