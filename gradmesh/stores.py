@@ -9,7 +9,7 @@ helpers bind one to 127.0.0.1 and hand it over.
 `LoopbackTCPStore` is a TCPStore whose servers do that; `loopback_servers()` makes torch elastic
 create its stores (the rendezvous store and the store the workers share) as such, in the
 launcher of a single-machine job. Multi-node jobs need the store on a routable interface: there
-the network must be trusted (docs/multi-node.md, "Network").
+the network must be trusted (docs/multi-node.md#network).
 """
 
 import contextlib

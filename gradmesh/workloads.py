@@ -124,7 +124,8 @@ def recsys(cfg: Config, device: torch.device, remote_tables: bool = False) -> Wo
 
     def evaluate(net):
         # scikit-learn is imported (and the ceilings computed) by the ranks that evaluate only:
-        # its import alone takes ~74 MB, which a parameter server or a worker under ps need not hold
+        # its import alone costs memory (docs/benchmarks.md#recsys) that a parameter server or a
+        # worker under ps need not hold
         from sklearn.metrics import log_loss, roc_auc_score
 
         if not ceiling:
@@ -184,7 +185,8 @@ def build(cfg: Config, device: torch.device, remote_tables: bool = False) -> Wor
 
 class _MetaInitSkipped(TorchFunctionMode):
     """Initialisers (in-place ops) on meta tensors are skipped: a meta tensor has no values to set,
-    and the first meta `normal_` imports torch._dynamo, 0.8 s of every launch's pre-flight checks."""
+    and the first meta `normal_` imports torch._dynamo, which every launch's pre-flight checks would
+    wait for (docs/benchmarks.md#launch)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -4,11 +4,11 @@ The first steps run uncompressed (PowerSGD's own first steps are plain too). Aft
 data-parallel rank times a few all-reduces of a 4 MiB probe (the slowest rank's time counts) and
 estimates what the uncompressed gradient all-reduce takes per step: 2(N-1)/N x 4 bytes x
 parameters / bandwidth. Set against the step's compute (step 2's time less that estimate):
-- at most 10% of compute: none (on a fast link compression only costs time: measured here,
-  fp16 0.995x and PowerSGD rank 4 0.56x of uncompressed speed on loopback);
-- more: PowerSGD rank 4 where at least half the parameters are in matrices it shrinks (its
-  loss stayed within 0.2% of uncompressed on gpt-char over the 200 Mbit/s benchmark, at 1-2%
-  of the bytes), else bf16 (half the bytes, a rounding error's loss).
+- at most 10% of compute: none (on a fast link compression only costs time:
+  docs/benchmarks.md#loopback);
+- more: PowerSGD rank 4 where at least half the parameters are in matrices it shrinks (near
+  uncompressed loss on a small share of the bytes over a slow link: docs/benchmarks.md#compression),
+  else bf16 (half the bytes, a rounding error's loss).
 The figures and the choice go to `RUN_DIR/compression.json` and the console.
 """
 

@@ -47,10 +47,11 @@ class PushCodec:
 
     fp16 spans 6e-5 to 65504 (subnormals, losing digits, down to 6e-8), far less than gradients
     do: sparse tables' row gradients of a 256-sample mean sit near 1e-6, where fp16 keeps one or
-    two digits (measured: tables 2.6% off fp32's after 20 steps, 1.6% scaled). So an fp16 push is multiplied by
-    the power of two that brings its largest magnitude just under 2^14, and the exponent travels
-    as its last value (small integers are exact in fp16); scaling by a power of two adds no
-    rounding of its own. bf16 has fp32's range and goes as it is."""
+    two digits, and plain casts leave the tables further from fp32's than scaled pushes do
+    (docs/benchmarks.md#fp16-pushes). So an fp16 push is multiplied by the power of two that
+    brings its largest magnitude just under 2^14, and the exponent travels as its last value
+    (small integers are exact in fp16); scaling by a power of two adds no rounding of its own.
+    bf16 has fp32's range and goes as it is."""
 
     def __init__(self, compression: str):
         self.dtype = cast_dtype(compression) or torch.float32

@@ -13,10 +13,9 @@ Vectors (biases, norms: few bytes, and top-k's error would delay them most) and 
 method would not shrink go as plain fp32 means, as do all tensors during the first `start` steps
 (DDP rebuilds its buckets after the first step). Top-k suits SGD better than Adam: an entry sent
 once in T steps carries T steps of gradient, so Adam's second moment grows about T-fold for it
-and its steps shrink by about sqrt(T) (measured at 150 steps, 10%: 1.03x none's loss under SGD,
-1.11x under AdamW, 1.03x under AdamW after 50 dense steps; freezing Adam's second moment once
-compression starts, as 1-bit Adam does, and choosing entries by their Adam-scaled size both did
-worse, 1.19x and 1.14x).
+and its steps shrink by about sqrt(T). A dense warm-up (`start`) lets Adam's moments settle
+first; freezing Adam's second moment once compression starts, as 1-bit Adam does, and choosing
+entries by their Adam-scaled size both did worse (docs/benchmarks.md#convergence).
 
 torch ships a PowerSGD hook, but its state follows DDP's bucket indices, which change when DDP
 rebuilds the buckets and differ in a resumed process, it cannot be checkpointed, and it calls the

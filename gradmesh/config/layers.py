@@ -14,7 +14,8 @@ SECTIONS: dict[str, type] = {f.name: typing.cast(type, f.default_factory) for f 
 
 MODEL_DEFAULTS: dict[str, dict[str, dict]] = {
     # A click log of 3 x 10^6 samples wants bigger batches than a character model: one epoch of
-    # it (2.7 x 10^6 training samples), near the AUC ceiling, in a minute or two here.
+    # it (2.7 x 10^6 training samples) gets near the AUC ceiling in little time
+    # (docs/benchmarks.md#recsys-default).
     "recsys": {"train": {"global_batch_size": 512, "max_steps": 5400}},
 }
 """Defaults that differ by built-in model, under whatever a layer sets."""

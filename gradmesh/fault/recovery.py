@@ -12,13 +12,13 @@ import torch.distributed as dist
 
 from gradmesh.fault import inplace
 from gradmesh.fault.handover import hand_over
-from gradmesh.loop.services import RunContext, Service
+from gradmesh.loop.services import RunContext, Service, StepRows
 
 
 class InplaceRecovery(Service):
     lockstep = True
 
-    def __init__(self, ctx: RunContext, membership: inplace.Membership, sampler, reporting, max_steps: int):
+    def __init__(self, ctx: RunContext, membership: inplace.Membership, sampler, reporting: StepRows, max_steps: int):
         self.ctx, self.membership, self.sampler, self.reporting = ctx, membership, sampler, reporting
         self.max_steps = max_steps
         self.services: list[Service] = []

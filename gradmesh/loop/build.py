@@ -93,8 +93,18 @@ def _checks(parts: RunParts, reporting: Reporting, checkpointing: Checkpointing)
         checks.append(Evaluation(ctx, reporting, parts.eval_fn, train.eval_every, train.max_steps))
     checks.append(checkpointing)
     if parts.monitor.clock is not None:
-        checks.append(ReplicaCheck(ctx, reporting, parts.monitor.config.check_every))
+        every = parts.monitor.config.check_every
+        checks.append(ReplicaCheck(ctx, lambda: reporting.reporter.group, parts.monitor, every))
     return checks
+
+
+def _nonfinite(parts: RunParts, faults: FaultConfig, reporting: Reporting) -> NonFinitePolicy:
+    policy = (
+        faults.on_nonfinite if parts.ctx.run_dir or faults.on_nonfinite != "rollback" else "stop"
+    )  # nothing to go back to
+    return NonFinitePolicy(
+        parts.ctx, reporting, parts.monitor, policy, faults.max_skips, faults.max_restarts, parts.train
+    )
 
 
 def services(parts: RunParts, faults: FaultConfig) -> Services:
@@ -102,22 +112,19 @@ def services(parts: RunParts, faults: FaultConfig) -> Services:
     ctx, train, membership = parts.ctx, parts.train, parts.membership
     injector = _injector(parts, faults)
     reporting = Reporting(ctx, parts.monitor, train.log_every, train.max_steps, membership)
-    policy = (
-        faults.on_nonfinite if ctx.run_dir or faults.on_nonfinite != "rollback" else "stop"
-    )  # nothing to go back to
-    nonfinite = NonFinitePolicy(ctx, reporting, policy, faults.max_skips, faults.max_restarts, train)
+    nonfinite = _nonfinite(parts, faults, reporting)
     checkpointing = Checkpointing(
         ctx,
         parts.checkpointing,
         parts.sampler,
         reporting,
+        parts.monitor,
         parts.run_info,
         nonfinite,
         on_written=injector.at_checkpoint,
         in_place=membership is not None,
     )
-    found = Services(reporting, checkpointing, nonfinite, FaultInjection(ctx, injector))
-    found.faults.work = lambda: reporting.busy_s
+    found = Services(reporting, checkpointing, nonfinite, FaultInjection(ctx, injector, lambda: reporting.busy_s))
     if faults.step_timeout != 0 and ctx.engine.lockstep:  # other engines time each share themselves
         from gradmesh.fault.watchdog import Watchdog
 

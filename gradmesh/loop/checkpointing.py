@@ -9,8 +9,8 @@ from gradmesh.config import CheckpointConfig
 from gradmesh.data import GlobalOrderSampler
 from gradmesh.fault import checkpoint
 from gradmesh.loop.nonfinite import NonFinitePolicy
-from gradmesh.loop.reporting import Reporting
-from gradmesh.loop.services import RunContext, Service
+from gradmesh.loop.services import RunContext, Service, StepRows
+from gradmesh.monitor.monitor import Monitor
 
 
 class Checkpointing(Service):
@@ -21,13 +21,15 @@ class Checkpointing(Service):
         ctx: RunContext,
         config: CheckpointConfig,
         sampler: GlobalOrderSampler,
-        reporting: Reporting,
+        reporting: StepRows,
+        monitor: Monitor,
         run_info: dict,
         policy: NonFinitePolicy,
         on_written=lambda step: None,
         in_place: bool = False,
     ):
         self.ctx, self.config, self.sampler, self.reporting = ctx, config, sampler, reporting
+        self.monitor = monitor
         self.run_info, self.on_written = run_info, on_written
         self.in_place = in_place
         """In-place recovery: a worker lost mid-write abandons that checkpoint, not the run."""
@@ -71,7 +73,7 @@ class Checkpointing(Service):
             "run": self.run_info,
             **self.policy.state(),
         }
-        with self.reporting.monitor.timed("checkpoint", step):  # checkpoint I/O, outside the step's phases
+        with self.monitor.timed("checkpoint", step):  # checkpoint I/O, outside the step's phases
             try:
                 self.checkpointer.save(step, self.ctx.engine, state)
             except (RuntimeError, CheckpointException) as err:  # DCP's is a BaseException

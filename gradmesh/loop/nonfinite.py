@@ -23,7 +23,8 @@ import time
 from gradmesh.engine import StepOutcome
 from gradmesh.errors import EXIT_NONFINITE  # noqa: F401 (re-exported)
 from gradmesh.files import open_append
-from gradmesh.loop.services import RunContext, Service
+from gradmesh.loop.services import RunContext, Service, StepRows
+from gradmesh.monitor.monitor import Monitor
 
 
 class NonFiniteError(Exception):
@@ -37,8 +38,17 @@ class RollBack(Exception):
 class NonFinitePolicy(Service):
     lockstep = True
 
-    def __init__(self, ctx: RunContext, reporting, policy: str, max_skips: int, max_rollbacks: int, train):
-        self.ctx, self.reporting, self.policy = ctx, reporting, policy
+    def __init__(
+        self,
+        ctx: RunContext,
+        reporting: StepRows,
+        monitor: Monitor,
+        policy: str,
+        max_skips: int,
+        max_rollbacks: int,
+        train,
+    ):
+        self.ctx, self.reporting, self.monitor, self.policy = ctx, reporting, monitor, policy
         self.max_skips, self.max_rollbacks = max_skips, max_rollbacks
         clip = (
             f"a tighter gradient clip (now --set train.grad_clip={train.grad_clip:g})"
@@ -88,7 +98,7 @@ class NonFinitePolicy(Service):
     def _alert(self, found, action: str) -> str:
         alert = found.alert(self.policy, action)
         if self.ctx.is_main:
-            self.reporting.monitor.alert(alert)
+            self.monitor.alert(alert)
         return alert["message"]
 
     def rolled_back(self, to_step: int) -> None:

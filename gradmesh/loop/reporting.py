@@ -1,7 +1,10 @@
 """Step reporting: every rank's figures gathered into metrics.jsonl, the monitor's view of them,
 the progress bar, and the replica check and evaluation that share the reporter's group."""
 
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
 
 from gradmesh.loop.services import Notes, RunContext, Service
 from gradmesh.monitor import consistency, trace
@@ -96,18 +99,19 @@ class ReplicaCheck(Service):
 
     lockstep = True
 
-    def __init__(self, ctx: RunContext, reporting: Reporting, every: int):
-        self.ctx, self.reporting, self.every, self.diverged = ctx, reporting, every, False
+    def __init__(self, ctx: RunContext, group: Callable[[], dist.ProcessGroup], monitor: Monitor, every: int):
+        """group: the reporter's, read when used (a regroup replaces it)."""
+        self.ctx, self.group, self.monitor, self.every, self.diverged = ctx, group, monitor, every, False
 
     def after_step(self, outcome, elapsed: float) -> None:
         module = self.ctx.engine.replica()
         if not self.every or outcome.step % self.every or module is None or self.ctx.topology.world_size < 2:
             return
-        found = consistency.compare_replicas(module, self.reporting.reporter.group, self.ctx.topology.world_size)
+        found = consistency.compare_replicas(module, self.group(), self.ctx.topology.world_size)
         reported, self.diverged = self.diverged, bool(found)
         if found and self.ctx.is_main and not reported:  # once, until the replicas agree again
             step, ranks = outcome.step, ", ".join(map(str, found["ranks"]))
-            self.reporting.monitor.alert(
+            self.monitor.alert(
                 {
                     "step": step,
                     "kind": "divergence",

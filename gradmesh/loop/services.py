@@ -18,6 +18,7 @@ from typing import Protocol
 from gradmesh.engine import StepEngine, StepOutcome
 from gradmesh.engine.records import Forward
 from gradmesh.files import open_append
+from gradmesh.monitor.reporter import StepReporter
 from gradmesh.topology import Topology
 
 
@@ -42,6 +43,15 @@ class Notes(Protocol):
     (`gradmesh.loop.reporting.Reporting`): a line shown beside the progress bar."""
 
     def note(self, text: str) -> None: ...
+
+
+class StepRows(Notes, Protocol):
+    """What a service that settles the gathered step rows (flushes them before a checkpoint or a
+    stop, carries them across a regroup) needs of step reporting, besides notes: the reporter. A
+    regroup replaces it, so it is read where used, not kept."""
+
+    @property
+    def reporter(self) -> StepReporter: ...
 
 
 def largest(value: float, group) -> float:
@@ -110,10 +120,10 @@ class SampleRecorder(Service):
 class FaultInjection(Service):
     """--inject: kills and hangs before a step, a straggler's delay inside it, divergence after it."""
 
-    def __init__(self, ctx: RunContext, injector):
+    def __init__(self, ctx: RunContext, injector, work: Callable[[], float | None] = lambda: None):
         self.ctx, self.injector = ctx, injector
         self.slept = self.own_time = self.previous_sleep = 0.0
-        self.work: Callable[[], float | None] = lambda: None
+        self.work = work
         """This rank's busy time in the last step (its step less the time it waited), where
         measured: a straggler is slower at its own work, so its delay follows its own share
         (--balance), not the whole step it waits in."""

@@ -32,7 +32,8 @@ class DLRM(nn.Module):
         super().__init__()
         self.table_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
         # Given its weight, nn.Embedding skips its initialiser: the first one run on the meta
-        # device imports torch._dynamo (0.8 s per process), and these values come from init_rows.
+        # device imports torch._dynamo (slow: docs/benchmarks.md#launch), and these values come from
+        # init_rows.
         # ModuleList is not generic in torch's stubs; typed as the sequence of tables it is read as.
         self.tables: Sequence[nn.Embedding] = nn.ModuleList(  # type: ignore[assignment]
             nn.Embedding(count, dim, _weight=torch.empty(count, dim, device="meta")) for count in rows

@@ -3,8 +3,8 @@
 Each rank keeps its own figures for each step (sum of its samples' losses, model-state bytes,
 peak memory). Every `every` steps one asynchronous all_gather moves the whole batch of steps
 to all ranks, and it is read `every` steps later, when it has long arrived. A collective every
-step, even an async one, costs a measurable share of a DDP step on CPU (docs/benchmarks.md,
-"Gathering per-step figures"); batched, the cost is spread over `every` steps. metrics.jsonl
+step, even an async one, costs a measurable share of a DDP step on CPU
+(docs/benchmarks.md#reporter); batched, the cost is spread over `every` steps. metrics.jsonl
 still gets one object per step, written in groups.
 """
 
@@ -32,8 +32,7 @@ RECENT_ROWS = 1000
 
 class RunTotals:
     """What the summary needs from a run's rows, kept as running totals: a row costs a few KB, so
-    keeping every one makes a rank's memory grow with the run (docs/benchmarks.md, "Memory over a
-    long run")."""
+    keeping every one makes a rank's memory grow with the run (docs/benchmarks.md#long-run)."""
 
     def __init__(self, recent: int = RECENT_ROWS):
         self.recent: deque[dict] = deque(maxlen=recent)
@@ -97,8 +96,8 @@ class StepReporter:
         totals: RunTotals | None = None,
     ):
         # A gloo group of its own (the topology's "metrics" side group) keeps monitoring traffic
-        # out of training's queue — measured: 0.975 of plain DDP's throughput sharing the default
-        # group, 1.00 apart — and gloo takes CPU tensors even under NCCL.
+        # out of training's queue — sharing the default group cost throughput against plain DDP
+        # (docs/benchmarks.md#reporter) — and gloo takes CPU tensors even under NCCL.
         self.group, self.world_size, self.every = group, group.size(), max(1, every)
         self.metrics_path, self.on_record = metrics_path, on_record
         self.membership = membership

@@ -2,12 +2,11 @@
 
 Under async and ssp:K >= 1 a share's gradient is applied to parameters that other workers'
 shares moved after this worker pulled them (its staleness). On a small transformer at its
-usual learning rate that costs more than the asynchrony saves: one process simulating a delay
-of one half-batch update ends 5% higher in loss after 100 steps, two updates 13%. Predicting
-the parameters forward along their recent velocity, as pipelined training does with weight
-stashing's alternative (SpecTrain, Chen et al. 2018; linear weight prediction, Kosson et al.
-2021), takes most of that cost away: the same simulation with one update of delay ends within
-0.1% of no delay.
+usual learning rate that costs more than the asynchrony saves, and the cost grows with the
+delay. Predicting the parameters forward along their recent velocity, as pipelined training
+does with weight stashing's alternative (SpecTrain, Chen et al. 2018; linear weight prediction,
+Kosson et al. 2021), takes most of that cost away (a one-process simulation of both:
+docs/benchmarks.md#weight-prediction).
 
 A worker learns both figures from its own pulls, with no extra message: each server reports the
 updates its shard has had, so between two pulls the worker sees how far the shard moved per
