@@ -80,17 +80,22 @@ def _watch(launcher: int) -> None:
     os._exit(exit_code(signal.SIGKILL))
 
 
+def die_with(parent: int) -> None:
+    """SIGKILL this process when `parent`, the process that started it, dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        threading.Thread(target=_watch, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the kernel was asked to tell us
+        os._exit(exit_code(signal.SIGKILL))
+
+
 def tie_to_launcher() -> None:
     """Die with the launcher; exit quietly on its SIGINT/SIGTERM. A no-op outside gradmesh's launchers."""
     launcher = env.launcher_pid()
     if launcher is None or launcher == os.getpid():  # not launched, or the launcher itself
         return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        threading.Thread(target=_watch, args=(launcher,), daemon=True).start()
-    if os.getppid() != launcher:  # the launcher died before the kernel was asked to tell us
-        os._exit(exit_code(signal.SIGKILL))
+    die_with(launcher)
     for sig in STOP_SIGNALS:
         signal.signal(sig, _quiet_exit)
 
