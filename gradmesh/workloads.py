@@ -5,7 +5,7 @@ mlp-digits: an MLP on scikit-learn's 8x8 digits; recsys: a DLRM-style click mode
 click log with a known ceiling. All go through the public Trainer API.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
 
 import torch
@@ -218,7 +218,9 @@ def meta_model(cfg: Config) -> nn.Module:
 
 def train_size(cfg: Config) -> int:
     """Samples in one pass over the configured training data."""
-    return len(build(cfg, torch.device("cpu")).train_data)
+    data = build(cfg, torch.device("cpu")).train_data
+    assert isinstance(data, Sized)  # the built-in workloads' datasets are map-style
+    return len(data)
 
 
 def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:

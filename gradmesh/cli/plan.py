@@ -41,7 +41,9 @@ def add_parser(subparsers) -> None:
     volume.add_argument("--top", type=integer, metavar="K", help="rows shown (default 12; plan.json has all)")
     volume.add_argument("--out", default="plan.json", metavar="FILE", help="where the prediction goes (plan.json)")
     launch = parser.add_argument_group("where")
-    launch.add_argument("--nproc", type=nproc_type, metavar="N", help="workers per machine (default: as gradmesh train)")
+    launch.add_argument(
+        "--nproc", type=nproc_type, metavar="N", help="workers per machine (default: as gradmesh train)"
+    )
     launch.add_argument("--nnodes", type=integer, metavar="N", help="machines (default 1)")
     launch.add_argument("--device", choices=configuration.DEVICES)
     parser.set_defaults(run_dir=None, resume=None)
@@ -82,7 +84,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from gradmesh.plan.planner import plan
 
     machine = machine_for(cfg, nproc, device, args.price_per_hour)
-    print(f"gradmesh plan: calibrating {cfg.model.name} on {nproc} worker(s) (cached after the first time)", file=sys.stderr)
+    print(
+        f"gradmesh plan: calibrating {cfg.model.name} on {nproc} worker(s) (cached after the first time)",
+        file=sys.stderr,
+    )
     planned = plan(cfg, machine, samples, refresh=args.refresh)
     print_plan(planned, machine, args.top or 12)
     atomic_write(out, json.dumps({"written_by": MARK, **to_json(planned, machine)}, indent=1))

@@ -73,7 +73,9 @@ def _variants(base: Candidate, plan: registry.Plan) -> list[Candidate]:
     """The settings that change this plan's step time."""
     found = [base]
     if data_ranks(plan) > 1:  # compression applies to gradients that travel between replicas
-        found += [dataclasses.replace(base, compression=c) for c in COMPRESSIONS if c.split(":")[0] in plan.compressions]
+        found += [
+            dataclasses.replace(base, compression=c) for c in COMPRESSIONS if c.split(":")[0] in plan.compressions
+        ]
     if plan.pipelined:  # a pipeline accumulates over its micro-batches instead
         found += [dataclasses.replace(base, microbatches=m) for m in MICROBATCHES if m != base.microbatches]
     else:

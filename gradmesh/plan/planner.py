@@ -115,7 +115,7 @@ def calibrate(cfg: configuration.Config, machine: Machine, refresh: bool = False
             pass  # a calibration of another format or a torn file: measured again
     threads = sorted({machine.threads(machine.nproc), machine.threads(1)})
     compute = {t: measure_compute(cfg, t, sizes) for t in threads}
-    links = {n: measure_link(n, threads=machine.threads(n)) for n in groups}
+    links = {n: measure_link(n, threads=machine.threads(n), repeats=9) for n in groups}
     found = Calibration(compute, links)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(found.to_json(), indent=1))

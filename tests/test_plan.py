@@ -1,0 +1,105 @@
+"""The planner: its cost rows against their formulas, its candidates against `gradmesh train`'s own
+checks, its cache, its command's input handling, and its predictions against measured runs."""
+
+import json
+
+import pytest
+
+from gradmesh.config import build
+from gradmesh.parallel import registry
+from gradmesh.plan import costs
+from gradmesh.plan.candidates import Candidate, candidates
+from gradmesh.plan.compute import ComputeProfile
+from gradmesh.plan.link import LinkFit, LinkProfile
+from gradmesh.plan.planner import Calibration
+
+PROFILE = ComputeProfile(threads=1, fixed_s=0.01, per_sample_s=0.002, optimizer_s_per_param=1e-8,
+                         add_s_per_param=1e-9, activation_bytes_per_sample=1000.0, params=1_000_000,
+                         base_bytes=300 * 2**20, boundary_bytes_per_sample=4096.0, layers=4)
+ALPHA, BETA = 1e-4, 1e-9
+
+
+def _calibration() -> Calibration:
+    fit = LinkFit(ALPHA, BETA)
+    link = LinkProfile(2, "gloo", 1, {kind: fit for kind in ("all_reduce", "all_gather", "reduce_scatter",
+                                                              "broadcast", "p2p")})
+    return Calibration({1: PROFILE}, {2: link})
+
+
+def _step(**options) -> costs.Step:
+    return costs.Step(compute=PROFILE, network=_calibration(), options=costs.Options(**options),
+                      micro_samples=16, micro=1, params=PROFILE.params)
+
+
+def test_ddp_row_is_a_bucketed_ring_all_reduce_and_a_whole_optimizer_step():
+    """Hockney's alpha-beta with ring bytes (Thakur et al., 2005): one alpha per 25 MiB bucket,
+    2(N-1)/N x 4P bytes over the link."""
+    step = _step()
+    costs.ddp(step, 2)
+    assert step.parts["comm"] == pytest.approx(ALPHA + 2 * (2 - 1) / 2 * 4 * PROFILE.params * BETA)
+    assert step.parts["optimizer"] == pytest.approx(PROFILE.params * 1e-8)
+
+
+def test_sharded_rows_step_a_share_and_move_more_bytes_than_ddp():
+    ddp, zero1, fsdp = _step(), _step(), _step()
+    costs.ddp(ddp, 2)
+    costs.zero1(zero1, 2)
+    costs.fsdp(fsdp, 2)
+    assert zero1.parts["optimizer"] == fsdp.parts["optimizer"] == pytest.approx(ddp.parts["optimizer"] / 2)
+    assert zero1.parts["comm"] > ddp.parts["comm"] and fsdp.parts["comm"] > ddp.parts["comm"]
+
+
+def test_pipeline_row_adds_the_fill_and_drain_of_its_stages():
+    """GPipe's bubble: (S - 1) ticks of one micro-batch's stage time, beside M ticks of work."""
+    step = _step(microbatches=8)
+    costs.pipeline(step, 4)
+    tick = (PROFILE.fixed_s + PROFILE.per_sample_s * 16 / 8) / 4
+    assert step.pass_s() == pytest.approx(tick)
+    assert step.parts["bubble"] == pytest.approx(3 * tick)
+    assert step.micro == 8 and step.params == PROFILE.params / 4
+
+
+def test_one_rank_moves_nothing():
+    step = _step()
+    costs.ddp(step, 1)
+    assert step.parts["comm"] == 0.0
+
+
+def test_every_candidate_passes_the_checks_train_makes_and_the_refused_say_why():
+    cfg = build([])
+    allowed, refused = candidates(cfg, 2, 2)
+    strategies = {c.strategy for c, _ in allowed}
+    assert {"ddp", "zero1", "fsdp", "tp", "pipeline", "ps"} <= strategies
+    assert any(c.compression != "none" for c, _ in allowed) and any(c.grad_accum > 1 for c, _ in allowed)
+    reasons = dict((c.strategy, why) for c, why in refused)
+    assert "sparse embedding tables" in reasons["hybrid"]  # gpt-char has none
+    assert len({c for c, _ in allowed}) == len(allowed)
+
+
+def test_compressed_gradients_cost_their_wire_bytes():
+    from gradmesh.plan.predict import wire_bytes_per_param
+
+    shapes = {"w": (256, 256), "b": (256,)}
+    assert wire_bytes_per_param("none", shapes) == 4
+    assert wire_bytes_per_param("fp16", shapes) == 2
+    params = 256 * 256 + 256
+    assert wire_bytes_per_param("powersgd:rank=4", shapes) == pytest.approx((4 * (256 + 256) * 4 + 4 * 256) / params)
+
+
+def test_calibration_round_trips_through_json():
+    found = _calibration()
+    assert Calibration.from_json(json.loads(json.dumps(found.to_json()))) == found
+
+
+def test_a_group_size_not_calibrated_takes_the_nearest_ones_link():
+    """Four ranks from a 2-rank calibration: the same per-byte time, ring latency x (4-1)/(2-1)."""
+    net = _calibration()
+    assert net.time("all_reduce", 4e6, 4) == pytest.approx(3 * ALPHA + 2 * 3 / 4 * 4e6 * BETA)
+
+
+def test_candidate_flags_are_what_train_takes():
+    c = Candidate("ddp", compression="fp16", grad_accum=2)
+    assert c.label == "--strategy ddp --compression fp16 --grad-accum 2"
+    cfg = c.configured(build([]))
+    assert (cfg.train.strategy, cfg.train.compression, cfg.train.grad_accum) == ("ddp", "fp16", 2)
+    assert registry.resolve(cfg.train.strategy, {"dp": 2}).label == "ddp"
