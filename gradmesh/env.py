@@ -133,3 +133,8 @@ def fresh_store_each_round() -> None:
     joins late finds it (torch's shared rendezvous store skips that after the first round of a
     restarting launcher); a user's own setting wins."""
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+def cache_home() -> str:
+    """The user's cache folder (XDG_CACHE_HOME, else ~/.cache): where calibrations are kept."""
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -52,12 +52,13 @@ def test_the_readmes_strategy_table_is_the_registry():
     assert strategy_table((ROOT / "README.md").read_text()) == [row.name for row in registry.ROWS]
 
 
-def test_every_train_flag_is_documented():
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_every_flag_is_documented(command):
     from gradmesh.cli import build_parser
 
     commands = next(action for action in build_parser()._actions if action.dest == "command")
     text = "\n".join(path.read_text() for path in DOCS.glob("*.md"))
-    flags = [flag for action in commands.choices["train"]._actions for flag in action.option_strings
+    flags = [flag for action in commands.choices[command]._actions for flag in action.option_strings
              if flag.startswith("--") and flag != "--help"]
     assert [flag for flag in flags if not re.search(re.escape(flag) + r"(?![\w-])", text)] == []
 

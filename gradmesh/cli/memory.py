@@ -29,18 +29,18 @@ def model_size(cfg: configuration.Config, model) -> registry.ModelSize:
     )
 
 
-def rank_memory(cfg: configuration.Config, nproc: int, device: str) -> tuple[float | None, str]:
-    """(bytes one rank may hold, where that figure comes from); None where the system does not say."""
+def memory_room(cfg: configuration.Config, nproc: int, device: str) -> tuple[float | None, int, str]:
+    """(bytes the model state may take, ranks sharing them, where that figure comes from); None
+    where the system does not say. `launch.memory_per_rank_mb` overrides what the system says."""
     from gradmesh.topology import memory_bytes
 
-    if cfg.launch.memory_per_rank_mb:
-        return cfg.launch.memory_per_rank_mb * 2**20, f"launch.memory_per_rank_mb is {cfg.launch.memory_per_rank_mb:g}"
+    budget = cfg.launch.memory_per_rank_mb
+    if budget:
+        return budget * 2**20, 1, f"launch.memory_per_rank_mb gives each rank {budget / 1024:.1f} GiB"
     have = memory_bytes(device)
-    if have is None:
-        return None, ""
-    if device == "cuda":
-        return have, f"each GPU has {have / GIB:.1f} GiB"
-    return have / nproc, f"this machine has {have / GIB:.1f} GiB for {nproc} rank(s)"
+    if have is None or device == "cuda":
+        return have, 1, f"each GPU has {(have or 0) / GIB:.1f} GiB"
+    return have, nproc, f"this machine has {have / GIB:.1f} GiB"
 
 
 def check_memory(cfg: configuration.Config, plan: registry.Plan, meta_model, nproc: int, device: str) -> None:
@@ -48,31 +48,31 @@ def check_memory(cfg: configuration.Config, plan: registry.Plan, meta_model, npr
     from gradmesh.topology import memory_bytes
 
     _check_data(cfg, nproc, memory_bytes("cpu"))
-    have, where = rank_memory(cfg, nproc, device)
+    have, sharing, where = memory_room(cfg, nproc, device)
     if have is None:
         return
     size = model_size(cfg, meta_model())
-    need = plan.state_bytes(size)
+    need = plan.state_bytes(size) * sharing
     if need <= have:
         return
     advice = [
         f"a smaller model ({SIZE_KEYS[cfg.model.name]})",
-        *_sharded(size, nproc * cfg.launch.nnodes, need),
+        *_sharded(size, nproc * cfg.launch.nnodes, sharing, need),
         "more machines (--nnodes)",
     ]
     raise UsageError(
-        f"the model does not fit: its {size.params:,} parameters need ~{need / GIB:.2f} GiB per rank of parameters, "
-        f"gradients and {cfg.train.optimizer} state ({plan.label}) but {where}; use "
+        f"the model does not fit: its {size.params:,} parameters need ~{need / GIB:.1f} GiB of parameters, gradients "
+        f"and {cfg.train.optimizer} state ({plan.label}, {sharing} rank(s) sharing the memory) but {where}; use "
         + ", ".join(advice[:-1])
         + f" or {advice[-1]}"
     )
 
 
-def _sharded(size: registry.ModelSize, world: int, need: float) -> list[str]:
+def _sharded(size: registry.ModelSize, world: int, sharing: int, need: float) -> list[str]:
     """The advice to shard, when the registry has a strategy that holds clearly less per rank."""
     lightest = min(registry.ROWS, key=lambda row: row.state_bytes(size, world))
-    lighter = lightest.state_bytes(size, world)
-    return [f"--strategy {lightest.name} (~{lighter / GIB:.2f} GiB)"] if lighter < 0.9 * need else []
+    lighter = lightest.state_bytes(size, world) * sharing
+    return [f"--strategy {lightest.name} (~{lighter / GIB:.1f} GiB)"] if lighter < 0.9 * need else []
 
 
 def _check_data(cfg: configuration.Config, nproc: int, have: int | None) -> None:

@@ -14,14 +14,14 @@ MIB = 2**20
 
 
 def machine_for(cfg: configuration.Config, nproc: int, device: str, price: float | None) -> Machine:
-    from gradmesh.cli.memory import rank_memory
+    from gradmesh.cli.memory import memory_room
 
-    have, _ = rank_memory(cfg, nproc, device)
+    have, sharing, _ = memory_room(cfg, nproc, device)
     return Machine(
         nproc=nproc,
         nnodes=cfg.launch.nnodes,
         cores=os.cpu_count() or 1,
-        memory_per_rank=have,
+        memory_per_rank=None if have is None else have / sharing,
         cuda=device == "cuda",
         price_per_hour=price,
     )

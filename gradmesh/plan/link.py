@@ -20,7 +20,7 @@ its algorithm moves through one rank's link (R. Thakur, R. Rabenseifner and W. G
     p2p (one message)                                   n
 
 n being the whole buffer (for all_gather and reduce_scatter the gathered or scattered tensor).
-Each kind gets its own alpha and beta at the world size measured: the ring's 2(N-1) start-ups
+Each kind gets its own alpha and beta at the world size it was timed at; the ring's 2(N-1) start-ups
 fold into that alpha, so a profile predicts for its own world only.
 """
 

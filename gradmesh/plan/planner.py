@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 
 from gradmesh import config as configuration
+from gradmesh import env
 from gradmesh.files import atomic_write
 from gradmesh.parallel.state import probe_state
 from gradmesh.plan import costs
-from gradmesh.plan.candidates import Candidate, candidates, data_ranks
+from gradmesh.plan.candidates import Candidate, candidates
 from gradmesh.plan.compute import ComputeProfile, measure_compute
 from gradmesh.plan.link import LinkProfile, bytes_moved, measure_link
-from gradmesh.plan.predict import Machine, Prediction, predict, settle
+from gradmesh.plan.predict import Inputs, Machine, Prediction, predict, settle
 
 FORMAT = 1
 
@@ -75,8 +76,7 @@ class Planned:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "gradmesh" / "calibration"
+    return Path(env.cache_home()) / "gradmesh" / "calibration"
 
 
 def _batch_sizes(cfg: configuration.Config, machine: Machine) -> tuple[int, ...]:
@@ -152,8 +152,9 @@ def plan(cfg: configuration.Config, machine: Machine, samples: int, refresh: boo
     found = []
     for candidate, job in allowed:
         configured = candidate.configured(cfg)
-        options = dataclasses.replace(_options(configured, machine), microbatches=candidate.microbatches)
-        found.append(predict(configured, candidate, job, calibration.compute, calibration, machine, options, shapes))
+        options = _options(configured, machine)
+        inputs = Inputs(configured, calibration.compute, calibration, machine, options, shapes)
+        found.append(predict(inputs, candidate, job))
     single = _single_worker_step(cfg, calibration, machine, shapes)
     settle(found, single, samples, machine)
     ranked = sorted((p for p in found if p.fits), key=lambda p: p.step_s)
@@ -168,6 +169,5 @@ def _single_worker_step(cfg, calibration: Calibration, machine: Machine, shapes)
     one = dataclasses.replace(machine, nproc=1, nnodes=1)
     baseline = Candidate(registry.ROWS[0].name)
     job = registry.resolve(baseline.strategy, registry.mesh_for(baseline.strategy, 1))
-    options = _options(cfg, one)
-    assert data_ranks(job) == 1
-    return predict(cfg, baseline, job, calibration.compute, calibration, one, options, shapes).step_s
+    inputs = Inputs(cfg, calibration.compute, calibration, one, _options(cfg, one), shapes)
+    return predict(inputs, baseline, job).step_s

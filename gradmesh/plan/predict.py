@@ -97,40 +97,49 @@ def _model_size(cfg: configuration.Config, profile: ComputeProfile, options: cos
     )
 
 
-def predict(
-    cfg: configuration.Config,
-    candidate: Candidate,
-    plan: registry.Plan,
-    profiles: dict[int, ComputeProfile],
-    network: costs.Network,
-    machine: Machine,
-    options: costs.Options,
-    shapes: dict[str, tuple[int, ...]],
-) -> Prediction:
-    """`profiles`: the compute calibration by threads per worker."""
-    workers = data_ranks(plan, options.servers)
-    local_busy = min(machine.nproc, workers)
-    profile = profiles[machine.threads(machine.nproc)]
+@dataclass(frozen=True)
+class Inputs:
+    """What every prediction of one plan reads: the job, its calibration and where it would run."""
+
+    cfg: configuration.Config
+    profiles: dict[int, ComputeProfile]
+    """The compute calibration, by threads per worker."""
+    network: costs.Network
+    machine: Machine
+    options: costs.Options
+    shapes: dict[str, tuple[int, ...]]
+
+
+def _step(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> costs.Step:
+    """One rank's step as the plan's rows shape it, compute added last."""
+    profile = inputs.profiles[inputs.machine.threads(inputs.machine.nproc)]
+    workers = data_ranks(plan, inputs.options.servers)
     step = costs.Step(
         compute=profile,
-        network=network,
-        options=options,
-        micro_samples=cfg.train.global_batch_size / (workers * candidate.grad_accum),
+        network=inputs.network,
+        options=inputs.options,
+        micro_samples=inputs.cfg.train.global_batch_size / (workers * candidate.grad_accum),
         micro=candidate.grad_accum,
         params=profile.params,
-        grad_bytes_per_param=wire_bytes_per_param(candidate.compression, shapes),
+        grad_bytes_per_param=wire_bytes_per_param(candidate.compression, inputs.shapes),
     )
     for row in plan.rows:
         assert row.cost is not None, row.name  # every row has a cost function (tests/test_architecture.py)
         registry.load(row.cost)(step, plan.mesh[row.axis])
     step.add("compute", step.micro * step.pass_s())
-    oversubscribed = max(1.0, local_busy * profile.threads / machine.cores)
+    return step
+
+
+def predict(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> Prediction:
+    machine, step = inputs.machine, _step(inputs, candidate, plan)
+    profile = step.compute
+    busy = min(machine.nproc, data_ranks(plan, inputs.options.servers))
+    oversubscribed = max(1.0, busy * profile.threads / machine.cores)
     parts = {k: v * (oversubscribed if k in SHARED_PARTS else 1.0) for k, v in step.parts.items() if v > 0}
     step_s = sum(parts.values())
-    state = plan.state_bytes(_model_size(cfg, profile, options))
+    state = plan.state_bytes(_model_size(inputs.cfg, profile, inputs.options))
     activations = profile.activation_bytes_per_sample * step.micro_samples * step.compute_share * step.in_flight
     peak = profile.base_bytes + state + activations
-    samples_per_s = cfg.train.global_batch_size / step_s
     return Prediction(
         candidate=candidate,
         plan=plan.label,
@@ -140,7 +149,7 @@ def predict(
         activation_bytes=activations,
         peak_bytes=peak,
         fits=machine.memory_per_rank is None or peak <= machine.memory_per_rank,
-        samples_per_s=samples_per_s,
+        samples_per_s=inputs.cfg.train.global_batch_size / step_s,
         train_s=0.0,
         world=machine.world,
     )
