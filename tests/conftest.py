@@ -15,6 +15,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from catalogue import Catalogue  # noqa: E402
 from helpers import TINY, free_port  # noqa: E402
 
+# matplotlib builds its font cache on first use, running `fc-list`: built here, before the `cli`
+# fixture forbids subprocesses, so a clean machine's first in-process `gradmesh report` does
+# not trip it (the home folder's cache hid this wherever an earlier run had made one).
+import matplotlib.font_manager  # noqa: E402, F401
+
 CHROMIUM = "/usr/bin/chromium"
 
 
