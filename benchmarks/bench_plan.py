@@ -5,8 +5,8 @@
 
 For each scenario (workload, workers), the planner predicts every candidate (its calibration is
 measured afresh); then each of up to `--candidates` of them, spread over the ranking, trains
-`--steps` steps with `gradmesh train` and its steady step time (the median interval between the
-steps' wall-clock stamps after `--warmup`) and its peak memory per rank (summary.json) are set
+`--steps` steps with `gradmesh train` and its steady step time (the median `step_time_s` of the
+steps after `--warmup`) and its peak memory per rank (summary.json) are set
 beside the prediction. Reported per scenario: median and largest absolute error of step time,
 Kendall's tau between predicted and measured order, whether the predicted best is within 10% of
 the measured best, and the memory error.
@@ -46,9 +46,8 @@ def measure(flags: list[str], label: str, nproc: int, steps: int, warmup: int) -
                *flags, *label.split()]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-        stamps = [r["time"] for r in rows][warmup:]
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
-        return {"step_s": statistics.median(b - a for a, b in zip(stamps, stamps[1:])),
+        return {"step_s": statistics.median(r["step_time_s"] for r in rows[warmup:]),
                 "peak_bytes": max(summary["peak_memory_bytes"])}
 
 

@@ -31,7 +31,7 @@ RUN_FILES = (
 RANK_FILE_PATTERNS = ("samples-rank*.jsonl", "stacks-rank*.txt", "steps-rank*.jsonl")
 RUN_DIRS = ("checkpoints", "tensorboard", "report")
 MARKER = manifest.MARKER
-RESTATED = ("config.toml",)
+RESTATED = ("config.toml", "prediction.json")
 """Rewritten whole by every launch just before its workers start (which clear again): not a
 result, and not removed by a fresh start."""
 OWN_PREFIX = ".gradmesh-"

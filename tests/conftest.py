@@ -1,8 +1,10 @@
+import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -19,6 +21,12 @@ from helpers import TINY, free_port  # noqa: E402
 # fixture forbids subprocesses, so a clean machine's first in-process `gradmesh report` does
 # not trip it (the home folder's cache hid this wherever an earlier run had made one).
 import matplotlib.font_manager  # noqa: E402, F401
+
+# The planner's calibrations (`gradmesh plan`, and the prediction every launch makes from a cached
+# one) live in the user's cache folder: the suite keeps its own, so a developer's calibrations
+# neither change what a run prints nor gain files from the tests.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gradmesh-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 CHROMIUM = "/usr/bin/chromium"
 

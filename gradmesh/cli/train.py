@@ -10,6 +10,7 @@ from pathlib import Path
 from gradmesh import config as configuration
 from gradmesh import env, rundir
 from gradmesh.chaos import check_chaos, parse_inject
+from gradmesh.cli import auto
 from gradmesh.cli.memory import check_memory
 from gradmesh.cli.options import launch_shape, resolve_config
 from gradmesh.cli.train_options import add_parser  # noqa: F401 (the command's parser, built there)
@@ -30,9 +31,15 @@ COLLECTIVE_MARGIN_S = 300.0
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     device, nproc = launch_shape(cfg.launch)
-    run_dir = check_train(cfg, nproc, device)
+    prediction: dict | None
+    if cfg.train.strategy == auto.AUTO:  # planned first: the checks below are of the plan it picks
+        cfg, prediction = auto.choose(cfg, nproc, device)
+        run_dir = check_train(cfg, nproc, device)
+    else:
+        run_dir = check_train(cfg, nproc, device)
+        prediction = auto.predict_own(cfg, nproc, device)
     _advise(cfg)
-    return _launch(cfg, nproc, run_dir)
+    return _launch(cfg, nproc, run_dir, prediction)
 
 
 def _advise(cfg: configuration.Config) -> None:
@@ -166,16 +173,16 @@ def _check_steps_left(cfg: configuration.Config, run_dir: Path, step: int) -> No
         )
 
 
-def _launch(cfg: configuration.Config, nproc: int, run_dir: Path | None) -> int:
+def _launch(cfg: configuration.Config, nproc: int, run_dir: Path | None, prediction: dict | None = None) -> int:
     """Settle what the checks left open, write config.toml and start the workers."""
     if run_dir is None:
         run_dir = rundir.new_default_run_dir()
         cfg.run.dir = str(run_dir)
     with RunLock(run_dir, _job_key(cfg)):  # taken before anything in the folder is touched
-        return _start(cfg, nproc, run_dir)
+        return _start(cfg, nproc, run_dir, prediction)
 
 
-def _start(cfg: configuration.Config, nproc: int, run_dir: Path) -> int:
+def _start(cfg: configuration.Config, nproc: int, run_dir: Path, prediction: dict | None = None) -> int:
     from gradmesh.launch import run_workers
 
     inplace = cfg.fault.recovery == "inplace"
@@ -185,6 +192,7 @@ def _start(cfg: configuration.Config, nproc: int, run_dir: Path) -> int:
         cfg.checkpoint.every = RESTART_CHECKPOINT_EVERY  # a restart or rollback must have something recent to load
     if not cfg.checkpoint.resume:
         _start_fresh(run_dir, cfg.run.overwrite, cfg.run.quiet)
+    auto.write_prediction(run_dir, prediction)
     config_path = run_dir / "config.toml"
     atomic_write(config_path, cfg.to_toml())
     restarts = cfg.fault.max_restarts if cfg.fault.recovery != "none" else 0

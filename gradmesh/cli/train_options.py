@@ -4,6 +4,7 @@ optimisation), the run directory, failures, monitoring and the launch."""
 import argparse
 
 from gradmesh import config as configuration
+from gradmesh.cli.auto import AUTO
 from gradmesh.cli.options import add_failure_options, add_launch_options, bucket_type, integer, number
 from gradmesh.config.compression import help_text as compression_help
 from gradmesh.parallel import registry
@@ -52,7 +53,11 @@ def _add_what_options(train: argparse.ArgumentParser) -> None:
 
 def _add_how_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     how = train.add_argument_group("how to train")
-    how.add_argument("--strategy", choices=tuple(registry.STRATEGIES), help="parallelism (default ddp)")
+    how.add_argument(
+        "--strategy",
+        choices=(*registry.STRATEGIES, AUTO),
+        help="parallelism (default ddp); auto: the plan `gradmesh plan` ranks first",
+    )
     how.add_argument(
         "--mesh", metavar="AXIS=N,...", help="compose strategies on a named mesh: dp=2,tp=2, fsdp=2,tp=2 or dp=2,pp=2"
     )

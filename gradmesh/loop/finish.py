@@ -1,6 +1,7 @@
 """The end of a run: the last checkpoint, the final weights and summary.json."""
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +25,24 @@ def _peak_memory(topology) -> list[int]:
 def _last_loss(rows) -> float | None:
     """The last step's loss that was finite (a skipped step has none)."""
     return next((row["loss"] for row in reversed(rows) if row.get("loss") is not None), None)
+
+
+def against_prediction(run_dir: Path | None, rows) -> dict:
+    """The launch's prediction (RUN_DIR/prediction.json, gradmesh's own) beside what this run
+    measured: the median step time of its latest steps (the first carry one-off costs)."""
+    if not run_dir:
+        return {}
+    try:
+        predicted = json.loads((Path(run_dir) / "prediction.json").read_text())
+        found = {
+            "plan": str(predicted["plan"]),
+            "step_s": float(predicted["step_s"]),
+            "peak_bytes": float(predicted["peak_bytes"]),
+        }
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    times = [row["step_time_s"] for row in list(rows)[len(rows) // 2 :] if row.get("step_time_s")]
+    return {"predicted": found, "measured_step_s": statistics.median(times) if times else None}
 
 
 def _refuse_nonfinite(weights: dict[str, torch.Tensor], step: int) -> None:
@@ -80,6 +99,7 @@ def finish_run(
         **parts.run_info,
         **(parts.monitor.summary(reporting.totals) if topo.is_main else {}),
         **reporting.totals.staleness(),
+        **(against_prediction(run_dir, reporting.totals.recent) if topo.is_main else {}),
     }
     if services.nonfinite.skipped:
         summary["nonfinite_skipped_steps"] = services.nonfinite.skipped

@@ -83,6 +83,31 @@ def _eval_rows(found: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _prediction_rows(summary: dict) -> list[tuple[str, str]]:
+    """Predicted (at launch, from the planner's calibration) against measured."""
+    predicted, measured = summary.get("predicted"), summary.get("measured_step_s")
+    if not predicted or not measured:
+        return []
+    rows = [
+        (
+            "step time",
+            f"{measured * 1000:,.1f} ms (predicted {predicted['step_s'] * 1000:,.1f} ms, "
+            f"{measured / predicted['step_s'] - 1:+.0%})",
+        )
+    ]
+    peaks = summary.get("peak_memory_bytes") or []
+    if peaks:
+        peak = max(peaks)
+        rows.append(
+            (
+                "peak memory (max)",
+                f"{_fmt_bytes(peak)} (predicted {_fmt_bytes(predicted['peak_bytes'])}, "
+                f"{peak / predicted['peak_bytes'] - 1:+.0%})",
+            )
+        )
+    return rows
+
+
 def summary_table(summary: dict) -> Table:
     table = Table(title="gradmesh run summary", show_header=True, header_style="bold")
     table.add_column("metric")
@@ -105,6 +130,7 @@ def summary_table(summary: dict) -> Table:
         rows.append(("step time split", " · ".join(f"{phase} {share:.0%}" for phase, share in split if share >= 0.005)))
         rows.append(("imbalance (mean)", f"{summary['imbalance_mean']:.1%}"))
         rows.append(("alerts", f"{summary['alerts']} (alerts.jsonl)" if summary["alerts"] else "none"))
+    rows += _prediction_rows(summary)
     if summary.get("staleness"):
         stale = summary["staleness"]
         rows.append(("staleness (max, mean)", f"{stale['max']} versions, {stale['mean']:.2f}"))

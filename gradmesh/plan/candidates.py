@@ -43,6 +43,12 @@ class Candidate:
             parts.append(f"--microbatches {self.microbatches}")
         return " ".join(parts)
 
+    @classmethod
+    def of(cls, cfg: configuration.Config) -> "Candidate":
+        """The candidate a configuration runs as."""
+        t = cfg.train
+        return cls(t.strategy, t.mesh, t.compression, t.grad_accum, t.microbatches, t.pp_schedule)
+
     def configured(self, cfg: configuration.Config) -> configuration.Config:
         """`cfg` with this candidate's settings."""
         train = dataclasses.replace(

@@ -48,6 +48,8 @@ class Options:
     rows_per_sample: float = 0.0
     """Table rows one sample touches (one per categorical feature)."""
     row_bytes: float = 0.0
+    tensors: int = 1
+    """Parameter tensors (ZeroRedundancyOptimizer broadcasts each from its owner)."""
     cuda: bool = False
 
 
@@ -102,9 +104,10 @@ def ddp(step: Step, ranks: int) -> None:
 
 
 def zero1(step: Step, ranks: int) -> None:
-    """ddp's all-reduce; each rank steps its shard, then every shard is broadcast from its owner."""
+    """ddp's all-reduce; each rank steps its shard, then every parameter is broadcast from its owner
+    (torch's ZeroRedundancyOptimizer, one broadcast per parameter tensor)."""
     step.add("comm", step.reduce_gradients("all_reduce", ranks, _buckets(step.params)))
-    step.add("comm", step.network.time("broadcast", FP32 * step.params, ranks, calls=ranks))
+    step.add("comm", step.network.time("broadcast", FP32 * step.params, ranks, calls=step.options.tensors))
     step.optimizer(step.params / ranks)
 
 

@@ -18,16 +18,16 @@ from pathlib import Path
 import torch
 
 from gradmesh import config as configuration
-from gradmesh import env
 from gradmesh.files import atomic_write
 from gradmesh.parallel.state import probe_state
-from gradmesh.plan import costs
+from gradmesh.plan import cache_dir, costs
 from gradmesh.plan.candidates import Candidate, candidates
 from gradmesh.plan.compute import ComputeProfile, measure_compute
 from gradmesh.plan.link import LinkProfile, bytes_moved, measure_link
+from gradmesh.plan.overhead import measure_overheads
 from gradmesh.plan.predict import Inputs, Machine, Prediction, predict, settle
 
-FORMAT = 1
+FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ class Calibration:
     """By threads per worker."""
     links: dict[int, LinkProfile]
     """By group size."""
+    overheads: dict[str, float]
+    """Seconds per step beyond the model's arithmetic: "loop", and each strategy's machinery
+    (`gradmesh.plan.overhead`)."""
 
     def time(self, kind: str, nbytes: float, ranks: int, calls: int = 1) -> float:
         """`costs.Network`: a group size not calibrated uses the nearest one's per-byte time, with a
@@ -52,6 +55,7 @@ class Calibration:
             "format": FORMAT,
             "compute": {str(k): v.to_json() for k, v in self.compute.items()},
             "links": {str(k): v.to_json() for k, v in self.links.items()},
+            "overheads": self.overheads,
         }
 
     @classmethod
@@ -61,6 +65,7 @@ class Calibration:
         return cls(
             {int(k): ComputeProfile.from_json(v) for k, v in data["compute"].items()},
             {int(k): LinkProfile.from_json(v) for k, v in data["links"].items()},
+            {str(k): float(v) for k, v in data["overheads"].items()},
         )
 
 
@@ -73,10 +78,6 @@ class Planned:
     samples: int
     cache: Path
     cached: bool
-
-
-def cache_dir() -> Path:
-    return Path(env.cache_home()) / "gradmesh" / "calibration"
 
 
 def _batch_sizes(cfg: configuration.Config, machine: Machine) -> tuple[int, ...]:
@@ -103,23 +104,43 @@ def _key(cfg: configuration.Config, machine: Machine, sizes: tuple[int, ...], gr
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
 
 
-def calibrate(cfg: configuration.Config, machine: Machine, refresh: bool = False) -> tuple[Calibration, Path, bool]:
-    """(calibration, its cache file, whether it came from the cache)."""
+def _calibration_place(cfg: configuration.Config, machine: Machine) -> tuple[tuple[int, ...], list[int], Path]:
+    """(micro-batch sizes, group sizes, cache file) of the calibration this job needs."""
     sizes = _batch_sizes(cfg, machine)
     groups = sorted({n for n in (2, machine.nproc) if n > 1})
-    path = cache_dir() / f"{cfg.model.name}-{_key(cfg, machine, sizes, groups)}.json"
-    if path.is_file() and not refresh:
-        try:
-            return Calibration.from_json(json.loads(path.read_text())), path, True
-        except (ValueError, KeyError, TypeError):
-            pass  # a calibration of another format or a torn file: measured again
+    return sizes, groups, cache_dir() / f"{cfg.model.name}-{_key(cfg, machine, sizes, groups)}.json"
+
+
+def _cached(path: Path) -> Calibration | None:
+    try:
+        return Calibration.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none yet, of another format, or torn: measured again
+
+
+def calibrate(cfg: configuration.Config, machine: Machine, refresh: bool = False) -> tuple[Calibration, Path, bool]:
+    """(calibration, its cache file, whether it came from the cache)."""
+    sizes, groups, path = _calibration_place(cfg, machine)
+    found = None if refresh else _cached(path)
+    if found is not None:
+        return found, path, True
     threads = sorted({machine.threads(machine.nproc), machine.threads(1)})
     compute = {t: measure_compute(cfg, t, sizes) for t in threads}
     links = {n: measure_link(n, threads=machine.threads(n), repeats=9) for n in groups}
-    found = Calibration(compute, links)
+    worker = compute[machine.threads(machine.nproc)]
+    batch = max(1, cfg.train.global_batch_size // machine.world)
+    overheads = measure_overheads(cfg, worker, batch, _slots(cfg))
+    found = Calibration(compute, links, overheads)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(found.to_json(), indent=1))
     return found, path, False
+
+
+def _slots(cfg: configuration.Config) -> int:
+    from gradmesh.loop.trainer import optimizer_spec
+    from gradmesh.parallel.state import optimizer_slots
+
+    return optimizer_slots(*optimizer_spec(cfg.train))
 
 
 def _options(cfg: configuration.Config, machine: Machine) -> costs.Options:
@@ -138,22 +159,36 @@ def _options(cfg: configuration.Config, machine: Machine) -> costs.Options:
         table_rows=sum(t.weight.shape[0] for t in tables),
         rows_per_sample=len(tables),
         row_bytes=costs.FP32 * (tables[0].weight.shape[1] if tables else 0),
+        tensors=sum(1 for _ in model.parameters()),
         cuda=machine.cuda,
     )
 
 
 def plan(cfg: configuration.Config, machine: Machine, samples: int, refresh: bool = False) -> Planned:
     """Every candidate predicted and ranked; `samples`: the data volume to train."""
+    return _ranked(cfg, machine, samples, *calibrate(cfg, machine, refresh))
+
+
+def cached_plan(cfg: configuration.Config, machine: Machine) -> Planned | None:
+    """`plan` from this machine's cached calibration of the model; None without one."""
+    path = _calibration_place(cfg, machine)[2]
+    found = _cached(path)
+    samples = cfg.train.max_steps * cfg.train.global_batch_size
+    return None if found is None else _ranked(cfg, machine, samples, found, path, True)
+
+
+def _ranked(
+    cfg: configuration.Config, machine: Machine, samples: int, calibration: Calibration, path: Path, cached: bool
+) -> Planned:
     from gradmesh import workloads
 
-    calibration, path, cached = calibrate(cfg, machine, refresh)
     shapes = workloads.model_shapes(cfg)
     allowed, refused = candidates(cfg, machine.nproc, machine.world)
     found = []
     for candidate, job in allowed:
         configured = candidate.configured(cfg)
         options = _options(configured, machine)
-        inputs = Inputs(configured, calibration.compute, calibration, machine, options, shapes)
+        inputs = Inputs(configured, calibration.compute, calibration, machine, options, shapes, calibration.overheads)
         found.append(predict(inputs, candidate, job))
     single = _single_worker_step(cfg, calibration, machine, shapes)
     settle(found, single, samples, machine)
@@ -169,5 +204,5 @@ def _single_worker_step(cfg, calibration: Calibration, machine: Machine, shapes)
     one = dataclasses.replace(machine, nproc=1, nnodes=1)
     baseline = Candidate(registry.ROWS[0].name)
     job = registry.resolve(baseline.strategy, registry.mesh_for(baseline.strategy, 1))
-    inputs = Inputs(cfg, calibration.compute, calibration, one, _options(cfg, one), shapes)
+    inputs = Inputs(cfg, calibration.compute, calibration, one, _options(cfg, one), shapes, calibration.overheads)
     return predict(inputs, baseline, job).step_s

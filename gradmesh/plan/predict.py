@@ -18,7 +18,7 @@ from gradmesh.plan import costs
 from gradmesh.plan.candidates import Candidate, data_ranks
 from gradmesh.plan.compute import ComputeProfile
 
-SHARED_PARTS = ("compute", "bubble", "optimizer", "server")
+SHARED_PARTS = ("compute", "bubble", "optimizer", "server", "loop", "framework")
 """Parts that run on the cores (and slow down when the workers oversubscribe them)."""
 BOTTLENECK_WORDS = {
     "compute": "compute-bound",
@@ -26,6 +26,8 @@ BOTTLENECK_WORDS = {
     "bubble": "pipeline bubble",
     "optimizer": "optimizer step",
     "server": "server-bound",
+    "loop": "the training loop's own work",
+    "framework": "the strategy's machinery",
 }
 
 
@@ -108,6 +110,8 @@ class Inputs:
     machine: Machine
     options: costs.Options
     shapes: dict[str, tuple[int, ...]]
+    overheads: dict[str, float] = field(default_factory=dict)
+    """The training loop's seconds per step ("loop") and each strategy's per micro-batch pass."""
 
 
 def _step(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> costs.Step:
@@ -127,6 +131,8 @@ def _step(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> costs.St
         assert row.cost is not None, row.name  # every row has a cost function (tests/test_architecture.py)
         registry.load(row.cost)(step, plan.mesh[row.axis])
     step.add("compute", step.micro * step.pass_s())
+    step.add("loop", inputs.overheads.get("loop", 0.0))
+    step.add("framework", candidate.grad_accum * sum(inputs.overheads.get(row.name, 0.0) for row in plan.rows))
     return step
 
 
@@ -139,7 +145,7 @@ def predict(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> Predic
     step_s = sum(parts.values())
     state = plan.state_bytes(_model_size(inputs.cfg, profile, inputs.options))
     activations = profile.activation_bytes_per_sample * step.micro_samples * step.compute_share * step.in_flight
-    peak = profile.base_bytes + state + activations
+    peak = inputs.overheads.get("base_bytes", profile.base_bytes) + state + activations
     return Prediction(
         candidate=candidate,
         plan=plan.label,

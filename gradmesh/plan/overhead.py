@@ -1,0 +1,73 @@
+"""What a strategy's machinery costs beyond the model's own arithmetic, measured on one worker.
+
+A forward and backward pass of the plain model (`gradmesh.plan.compute`) is not what a rank runs:
+the training loop has its per-step work (the sampler, metrics, the monitor), and a strategy wraps
+the model in its own machinery — FSDP2's hooks around every unit, DTensor's dispatch under tensor
+parallelism, a pipeline schedule's stage calls. On small models on a CPU that machinery can cost
+as much as the arithmetic. So each strategy that can run on one worker trains a few steps there,
+for real (`gradmesh train --nproc 1`, with the thread count and the per-rank batch a worker of
+the planned job would have), and what its median step takes beyond the plain model's pass and
+optimizer step is kept per strategy, per micro-batch pass. One worker moves nothing over the
+network, so this overhead and the link's collectives (`gradmesh.plan.link`) do not overlap.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from gradmesh import config as configuration
+from gradmesh.parallel import registry
+from gradmesh.plan.compute import ComputeProfile
+
+STEPS = 8
+"""Steps per run; the median of the second half is kept (the first carry one-off costs)."""
+
+
+def _one_worker_step(cfg: configuration.Config, strategy: str, batch: int, threads: int) -> tuple[float, int] | None:
+    """(median step seconds, peak memory bytes) of `strategy` on one worker; None where it cannot
+    run on one."""
+    with tempfile.TemporaryDirectory(prefix="gradmesh-overhead-") as tmp:
+        config = Path(tmp) / "config.toml"
+        config.write_text(cfg.to_toml())
+        run_dir = Path(tmp) / "run"
+        cmd = [
+            sys.executable, "-m", "gradmesh", "train", "--config", str(config), "--nproc", "1",
+            "--strategy", strategy, "--mesh", "", "--max-steps", str(STEPS), "--global-batch-size", str(batch),
+            "--grad-accum", "1", "--compression", "none", "--run-dir", str(run_dir), "--quiet",
+            "--set", "train.sample_chars=0", "--set", "train.eval_batches=1",
+        ]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            return None
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        peak = max(json.loads((run_dir / "summary.json").read_text())["peak_memory_bytes"])
+        return statistics.median(row["step_time_s"] for row in rows[STEPS // 2 :]), peak
+
+
+def measure_overheads(cfg: configuration.Config, profile: ComputeProfile, batch: int, slots: int) -> dict[str, float]:
+    """{strategy: seconds per micro-batch pass beyond the plain model's}; "loop": the training
+    loop's own per-step seconds (what the first row's one-worker step takes beyond pass and
+    optimizer); "base_bytes": a worker's memory beside model state and activations (torch, the
+    process group, the data), from that run's peak."""
+    modelled = profile.pass_s(batch) + profile.optimizer_s_per_param * profile.params
+    first = registry.ROWS[0]
+    found: dict[str, float] = {}
+    base = float(profile.base_bytes)
+    for row in registry.ROWS:
+        if row.has_servers:  # servers need a rank of their own: modelled, not measured on one
+            continue
+        measured = _one_worker_step(cfg, row.name, batch, profile.threads)
+        if measured is None:
+            continue
+        found[row.name] = measured[0] - modelled
+        if row is first:
+            held = first.state_bytes(registry.ModelSize(params=profile.params, slots=slots), 1)
+            base = max(measured[1] - held - profile.activation_bytes_per_sample * batch, base)
+    loop = max(found.get(first.name, 0.0), 0.0)
+    overheads = {name: max(extra - loop, 0.0) for name, extra in found.items()}
+    return {"loop": loop, "base_bytes": base, **overheads}
