@@ -23,7 +23,7 @@ def _calibration() -> Calibration:
     fit = LinkFit(ALPHA, BETA)
     link = LinkProfile(2, "gloo", 1, {kind: fit for kind in ("all_reduce", "all_gather", "reduce_scatter",
                                                               "broadcast", "p2p")})
-    return Calibration({1: PROFILE}, {2: link})
+    return Calibration({1: PROFILE}, {2: link}, {"loop": 0.001})
 
 
 def _step(**options) -> costs.Step:

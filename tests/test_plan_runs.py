@@ -12,10 +12,14 @@ import statistics
 import pytest
 from helpers import gradmesh, metrics, summary
 
+pytestmark = pytest.mark.slow  # a calibration (five one-worker runs) and three measured runs: about a minute
+
 SMALL = ["--set", "model.n_layer=2", "--set", "model.n_head=2", "--set", "model.n_embd=64",
          "--set", "model.block_size=64", "--set", "data.max_chars=60000", "--set", "train.eval_batches=1",
          "--set", "train.sample_chars=0", "--global-batch-size", "32"]
-PLANS = ["--strategy ddp", "--strategy pipeline --microbatches 8", "--strategy ps"]
+PLANS = ["--strategy ddp", "--strategy ps", "--strategy fsdp --grad-accum 2"]
+"""Replicas with one all-reduce; one worker doing the whole batch beside its server; sharded
+parameters gathered twice per micro-batch, two micro-batches a step."""
 STEPS = 24
 
 

@@ -12,6 +12,7 @@ model state. Medians of a few repeats after a warm-up keep a busy neighbour's no
 """
 
 import dataclasses
+import multiprocessing
 import resource
 import statistics
 import time
@@ -169,3 +170,41 @@ def measure_compute(cfg: Config, threads: int, sizes: tuple[int, ...]) -> Comput
         )
     finally:
         torch.set_num_threads(saved)
+
+
+def _co_running_work(threads: int, results) -> None:
+    """A fixed mix of a matrix product and an element-wise pass; its median seconds to `results`."""
+    torch.set_num_threads(threads)
+    a, b, x = torch.randn(512, 512), torch.randn(512, 512), torch.randn(4096, 1024)
+    times = []
+    for _ in range(REPEATS + 1):
+        started = time.perf_counter()
+        for _ in range(10):
+            a @ b
+            torch.nn.functional.gelu(x).sum()
+        times.append(time.perf_counter() - started)
+    results.put(statistics.median(times[1:]))
+
+
+def _slowest_of(processes: int, threads: int) -> float:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    workers = [context.Process(target=_co_running_work, args=(threads, results), daemon=True) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    try:
+        return max(results.get(timeout=120) for _ in workers)
+    finally:
+        for worker in workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.kill()
+
+
+def co_running(processes: int, threads: int) -> float:
+    """How much slower each of `processes` workers computes when all run at once than one alone:
+    cores shared as hyperthreads, caches and memory bandwidth. A property of the machine, not
+    of the model, so a fixed mix of work measures it."""
+    if processes <= 1:
+        return 1.0
+    return max(1.0, _slowest_of(processes, threads) / _slowest_of(1, threads))

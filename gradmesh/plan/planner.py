@@ -22,12 +22,12 @@ from gradmesh.files import atomic_write
 from gradmesh.parallel.state import probe_state
 from gradmesh.plan import cache_dir, costs
 from gradmesh.plan.candidates import Candidate, candidates
-from gradmesh.plan.compute import ComputeProfile, measure_compute
+from gradmesh.plan.compute import ComputeProfile, co_running, measure_compute
 from gradmesh.plan.link import LinkProfile, bytes_moved, measure_link
 from gradmesh.plan.overhead import measure_overheads
 from gradmesh.plan.predict import Inputs, Machine, Prediction, predict, settle
 
-FORMAT = 2
+FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,7 @@ def calibrate(cfg: configuration.Config, machine: Machine, refresh: bool = False
     worker = compute[machine.threads(machine.nproc)]
     batch = max(1, cfg.train.global_batch_size // machine.world)
     overheads = measure_overheads(cfg, worker, batch, _slots(cfg))
+    overheads["co_running"] = co_running(machine.nproc, worker.threads)
     found = Calibration(compute, links, overheads)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(found.to_json(), indent=1))

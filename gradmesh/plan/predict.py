@@ -1,9 +1,11 @@
 """A candidate's predicted step: its time in parts, its memory per rank, and what follows from them
 (samples/s, time and cost to train the data volume, speed-up over one worker).
 
-The step is built by the plan's registry rows (`gradmesh.plan.costs`); the compute parts are then
-scaled for the cores the machine's busy processes share: N workers of T threads each on C cores
-run at C / (N x T) of their calibrated speed when N x T > C.
+The step is built by the plan's registry rows (`gradmesh.plan.costs`); the parts that run on the
+cores are then slowed by what N processes at once cost each of them, as calibrated on this
+machine (`compute.co_running`: shared hyperthreads, caches and memory bandwidth, and too few
+cores); without that figure, N workers of T threads on C cores run at C / (N x T) of their
+calibrated speed when N x T > C.
 """
 
 import math
@@ -139,8 +141,11 @@ def _step(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> costs.St
 def predict(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> Prediction:
     machine, step = inputs.machine, _step(inputs, candidate, plan)
     profile = step.compute
-    busy = min(machine.nproc, data_ranks(plan, inputs.options.servers))
-    oversubscribed = max(1.0, busy * profile.threads / machine.cores)
+    # Every local rank runs at once (a server receives and sums while its workers compute): the
+    # calibrated slowdown of that many processes at once, which includes sharing too few cores;
+    # without one, the cores' share alone.
+    shared = max(1.0, machine.nproc * profile.threads / machine.cores)
+    oversubscribed = inputs.overheads.get("co_running", shared) if machine.nproc > 1 else 1.0
     parts = {k: v * (oversubscribed if k in SHARED_PARTS else 1.0) for k, v in step.parts.items() if v > 0}
     step_s = sum(parts.values())
     state = plan.state_bytes(_model_size(inputs.cfg, profile, inputs.options))
