@@ -46,7 +46,12 @@ def test_the_plan_table_ranks_and_explains(planned):
     text = planned["stdout"]
     assert "gradmesh plan: 2 worker(s)" in text and "best: " in text and "bottleneck" in text
     ranked = planned["plan"]["ranked"]
-    assert ranked == sorted(ranked, key=lambda p: (not p["fits"], p["step_s"] if p["fits"] else p["peak_bytes"]))
+    fitting = [p for p in ranked if p["fits"]]
+    assert ranked[len(fitting):] == sorted(ranked[len(fitting):], key=lambda p: p["peak_bytes"])
+    assert fitting[1:] == sorted(fitting[1:], key=lambda p: p["step_s"])
+    fastest = min(p["step_s"] for p in fitting)  # first: the simplest plan as fast as it (within 2%)
+    assert fitting[0]["step_s"] <= 1.02 * fastest
+    assert fitting[0]["candidate"]["compression"] == "none" or fitting[0]["step_s"] == fastest
     assert {p["candidate"]["strategy"] for p in ranked} >= {"ddp", "zero1", "fsdp", "tp", "pipeline", "ps"}
     for p in ranked:
         assert p["step_s"] == pytest.approx(sum(p["parts"].values()))
@@ -86,3 +91,25 @@ def test_strategy_auto_runs_the_plan_ranked_first(planned, tmp_path):
     run = json.loads((tmp_path / "r" / "prediction.json").read_text())
     assert run["plan"] == best["candidate"]["label"]
     assert summary(tmp_path / "r")["strategy"] == best["plan"]
+
+
+def test_a_model_that_does_not_fit_gets_a_sharded_plan(planned, tmp_path):
+    """A memory budget between the lightest replica plan's predicted peak and the lightest fully
+    sharded one's: every replica plan misses (and says by how much), a sharded one wins. Planned
+    again from the cache."""
+    ranked = planned["plan"]["ranked"]
+    state = {p["candidate"]["label"]: p["state_bytes"] for p in ranked}
+    replicas = min(p["peak_bytes"] for p in ranked if p["candidate"]["strategy"] == "ddp")
+    sharded = min(p["peak_bytes"] for p in ranked if p["candidate"]["strategy"] == "fsdp")
+    assert sharded < replicas
+    budget_mb = (replicas + sharded) / 2 / 2**20
+    out = tmp_path / "plan.json"
+    result = gradmesh("plan", "--nproc", "2", "--out", str(out), "--memory-per-rank", f"{budget_mb:.3f}", *SMALL)
+    assert result.returncode == 0, result.stderr
+    assert "calibration cached" in result.stdout
+    again = json.loads(out.read_text())["ranked"]
+    best = next(p for p in again if p["fits"])
+    assert best["candidate"]["strategy"] in ("zero1", "fsdp", "pipeline", "tp")
+    assert best["state_bytes"] < state["--strategy ddp"]
+    missed = [p for p in again if p["candidate"]["label"] == "--strategy ddp"]
+    assert missed and not missed[0]["fits"] and "over" in result.stdout

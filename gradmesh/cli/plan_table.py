@@ -79,6 +79,12 @@ def why_best(fitting: list[Prediction]) -> str:
     if len(fitting) == 1:
         return f"best: {best.candidate.label} (the only candidate that fits)"
     second = fitting[1]
+    if second.step_s <= best.step_s:
+        gain = 1 - second.step_s / best.step_s
+        return (
+            f"best: {best.candidate.label}: {second.candidate.label} is predicted {gain:.1%} faster, closer than "
+            f"the calibration tells apart, and {best.candidate.label} changes fewer settings"
+        )
     gaps = {k: second.parts.get(k, 0.0) - best.parts.get(k, 0.0) for k in set(best.parts) | set(second.parts)}
     part = max(gaps, key=lambda k: gaps[k])
     return (

@@ -58,7 +58,7 @@ class ComputeProfile:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
 
 
-def _calibration_config(cfg: Config) -> Config:
+def calibration_config(cfg: Config) -> Config:
     """The same model on a small copy of its data (recsys generates its click log)."""
     samples = min(cfg.model.samples, max(CALIBRATION_SAMPLES, 4 * cfg.train.global_batch_size))
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, samples=samples))
@@ -149,7 +149,7 @@ def measure_compute(cfg: Config, threads: int, sizes: tuple[int, ...]) -> Comput
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        workload = workloads.build(_calibration_config(cfg), torch.device("cpu"))
+        workload = workloads.build(calibration_config(cfg), torch.device("cpu"))
         batches = {n: fetch(workload.train_data, list(range(n))) for n in set(sizes)}
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         fixed, per_sample = _fit({n: _median_pass_s(workload, batch) for n, batch in batches.items()})

@@ -12,7 +12,6 @@ network, so this overhead and the link's collectives (`gradmesh.plan.link`) do n
 """
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -20,19 +19,20 @@ import tempfile
 from pathlib import Path
 
 from gradmesh import config as configuration
+from gradmesh.env import environment
 from gradmesh.parallel import registry
-from gradmesh.plan.compute import ComputeProfile
+from gradmesh.plan.compute import ComputeProfile, calibration_config
 
 STEPS = 8
 """Steps per run; the median of the second half is kept (the first carry one-off costs)."""
 
 
-def _one_worker_step(cfg: configuration.Config, strategy: str, batch: int, threads: int) -> tuple[float, int] | None:
+def one_worker_step(cfg: configuration.Config, strategy: str, batch: int, threads: int) -> tuple[float, int] | None:
     """(median step seconds, peak memory bytes) of `strategy` on one worker; None where it cannot
     run on one."""
     with tempfile.TemporaryDirectory(prefix="gradmesh-overhead-") as tmp:
         config = Path(tmp) / "config.toml"
-        config.write_text(cfg.to_toml())
+        config.write_text(calibration_config(cfg).to_toml())
         run_dir = Path(tmp) / "run"
         cmd = [
             sys.executable, "-m", "gradmesh", "train", "--config", str(config), "--nproc", "1",
@@ -40,7 +40,7 @@ def _one_worker_step(cfg: configuration.Config, strategy: str, batch: int, threa
             "--grad-accum", "1", "--compression", "none", "--run-dir", str(run_dir), "--quiet",
             "--set", "train.sample_chars=0", "--set", "train.eval_batches=1",
         ]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        env = dict(environment(), OMP_NUM_THREADS=str(threads))
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             return None
@@ -61,7 +61,7 @@ def measure_overheads(cfg: configuration.Config, profile: ComputeProfile, batch:
     for row in registry.ROWS:
         if row.has_servers:  # servers need a rank of their own: modelled, not measured on one
             continue
-        measured = _one_worker_step(cfg, row.name, batch, profile.threads)
+        measured = one_worker_step(cfg, row.name, batch, profile.threads)
         if measured is None:
             continue
         found[row.name] = measured[0] - modelled

@@ -19,15 +19,16 @@ import torch
 
 from gradmesh import config as configuration
 from gradmesh.files import atomic_write
+from gradmesh.parallel import registry
 from gradmesh.parallel.state import probe_state
 from gradmesh.plan import cache_dir, costs
 from gradmesh.plan.candidates import Candidate, candidates
 from gradmesh.plan.compute import ComputeProfile, co_running, measure_compute
 from gradmesh.plan.link import LinkProfile, bytes_moved, measure_link
-from gradmesh.plan.overhead import measure_overheads
+from gradmesh.plan.overhead import measure_overheads, one_worker_step
 from gradmesh.plan.predict import Inputs, Machine, Prediction, predict, settle
 
-FORMAT = 3
+FORMAT = 4
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,10 @@ def calibrate(cfg: configuration.Config, machine: Machine, refresh: bool = False
     batch = max(1, cfg.train.global_batch_size // machine.world)
     overheads = measure_overheads(cfg, worker, batch, _slots(cfg))
     overheads["co_running"] = co_running(machine.nproc, worker.threads)
+    # The speed-up's baseline is measured, not predicted: one worker with every core, the whole batch.
+    alone = one_worker_step(cfg, registry.ROWS[0].name, cfg.train.global_batch_size, machine.threads(1))
+    if alone is not None:
+        overheads["single_step_s"] = alone[0]
     found = Calibration(compute, links, overheads)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(found.to_json(), indent=1))
@@ -193,15 +198,33 @@ def _ranked(
         found.append(predict(inputs, candidate, job))
     single = _single_worker_step(cfg, calibration, machine, shapes)
     settle(found, single, samples, machine)
-    ranked = sorted((p for p in found if p.fits), key=lambda p: p.step_s)
+    ranked = _simplest_first(sorted((p for p in found if p.fits), key=lambda p: p.step_s))
     ranked += sorted((p for p in found if not p.fits), key=lambda p: p.peak_bytes)
     return Planned(ranked, refused, single, samples, path, cached)
 
 
-def _single_worker_step(cfg, calibration: Calibration, machine: Machine, shapes) -> float:
-    """The step of one worker with every core: what speed-up is measured against."""
-    from gradmesh.parallel import registry
+TIE = 0.02
+"""Plans predicted within this of the fastest are as fast as the calibration can tell."""
 
+
+def _simplest_first(ranked: list[Prediction]) -> list[Prediction]:
+    """Among the plans tied with the fastest, the one with the fewest settings changed goes first:
+    compression changes what the gradients are, and accumulation or more micro-batches add work,
+    for no gain the prediction can show."""
+    if not ranked:
+        return ranked
+    tied = [p for p in ranked if p.step_s <= ranked[0].step_s * (1 + TIE)]
+    simplest = min(
+        tied,
+        key=lambda p: (p.candidate.compression != "none", p.candidate.grad_accum, p.candidate.microbatches, p.step_s),
+    )
+    return [simplest, *(p for p in ranked if p is not simplest)]
+
+
+def _single_worker_step(cfg, calibration: Calibration, machine: Machine, shapes) -> float:
+    """The step of one worker with every core: what speed-up is measured against (as calibrated)."""
+    if "single_step_s" in calibration.overheads:
+        return calibration.overheads["single_step_s"]
     one = dataclasses.replace(machine, nproc=1, nnodes=1)
     baseline = Candidate(registry.ROWS[0].name)
     job = registry.resolve(baseline.strategy, registry.mesh_for(baseline.strategy, 1))
