@@ -92,7 +92,7 @@ def _call(folder: Path, argv: list[str]) -> tuple[int, str]:
     try:
         os.chdir(folder)
         patches.enter_context(_patched(subprocess, "Popen", _NoWorkers))
-        patches.enter_context(_patched(train_command, "_launch", lambda cfg, nproc, run_dir: 0))
+        patches.enter_context(_patched(train_command, "_launch", lambda cfg, nproc, run_dir, prediction=None: 0))
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             try:
                 code = gradmesh.cli.main(argv)

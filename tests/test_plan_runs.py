@@ -17,9 +17,11 @@ pytestmark = pytest.mark.slow  # a calibration (five one-worker runs) and three 
 SMALL = ["--set", "model.n_layer=2", "--set", "model.n_head=2", "--set", "model.n_embd=64",
          "--set", "model.block_size=64", "--set", "data.max_chars=60000", "--set", "train.eval_batches=1",
          "--set", "train.sample_chars=0", "--global-batch-size", "32"]
-PLANS = ["--strategy ddp", "--strategy ps", "--strategy fsdp --grad-accum 2"]
-"""Replicas with one all-reduce; one worker doing the whole batch beside its server; sharded
-parameters gathered twice per micro-batch, two micro-batches a step."""
+POOL = ["--strategy ddp", "--strategy pipeline", "--strategy ps", "--strategy fsdp",
+        "--strategy pipeline --microbatches 8", "--strategy ps --grad-accum 2", "--strategy fsdp --grad-accum 2"]
+"""Plans of every engine family to pick three clearly different ones from. Not among them: the
+cost model's known gaps on millisecond steps (docs/benchmarks.md#planner): tensor parallelism on
+one CPU thread, and zero1's optimizer on a model this small."""
 STEPS = 24
 
 
@@ -36,10 +38,25 @@ def _steady_step_s(run_dir) -> float:
     return statistics.median(row["step_time_s"] for row in rows[len(rows) // 3 :])
 
 
+def _predicted(planned) -> dict[str, float]:
+    return {p["candidate"]["label"]: p["step_s"] for p in planned["plan"]["ranked"]}
+
+
 @pytest.fixture(scope="module")
-def measured(planned, catalogue):
+def plans(planned) -> list[str]:
+    """Three plans of the pool, each predicted at least 1.3x slower than the one before."""
+    predicted, chosen = _predicted(planned), []
+    for label in sorted(POOL, key=lambda label: predicted[label]):
+        if not chosen or predicted[label] >= 1.3 * predicted[chosen[-1]]:
+            chosen.append(label)
+    assert len(chosen) >= 3, predicted
+    return chosen[:3]
+
+
+@pytest.fixture(scope="module")
+def measured(plans, catalogue):
     return {label: catalogue.run(2, *SMALL, *label.split(), "--max-steps", str(STEPS), tiny=False)
-            for label in PLANS}
+            for label in {*plans, "--strategy ddp"}}
 
 
 def test_the_plan_table_ranks_and_explains(planned):
@@ -58,13 +75,11 @@ def test_the_plan_table_ranks_and_explains(planned):
         assert p["samples_per_s"] == pytest.approx(32 / p["step_s"])
 
 
-def test_predicted_order_and_step_times_hold_for_three_clearly_different_plans(planned, measured):
-    predicted = {p["candidate"]["label"]: p["step_s"] for p in planned["plan"]["ranked"]}
-    order = sorted(PLANS, key=predicted.get)
-    assert all(predicted[b] >= 1.3 * predicted[a] for a, b in zip(order, order[1:])), predicted
-    got = {label: _steady_step_s(run_dir) for label, run_dir in measured.items()}
-    assert sorted(PLANS, key=got.get) == order, (got, predicted)
-    errors = {label: predicted[label] / got[label] - 1 for label in PLANS}
+def test_predicted_order_and_step_times_hold_for_three_clearly_different_plans(planned, plans, measured):
+    predicted = _predicted(planned)
+    got = {label: _steady_step_s(measured[label]) for label in plans}
+    assert sorted(plans, key=got.get) == plans, (got, predicted)
+    errors = {label: predicted[label] / got[label] - 1 for label in plans}
     assert all(abs(e) <= 0.25 for e in errors.values()), errors
 
 
@@ -76,8 +91,10 @@ def test_every_run_ends_with_its_prediction_beside_what_it_measured(planned, mea
 
 
 def test_a_plan_much_slower_than_the_best_gets_a_note(planned, tmp_path):
+    fitting = [p for p in planned["plan"]["ranked"] if p["fits"]]
+    slow = next(p for p in reversed(fitting) if p["step_s"] >= 1.5 * fitting[0]["step_s"])
     result = gradmesh("train", "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--quiet", *SMALL,
-                      "--strategy", "ps", "--max-steps", "2")
+                      *slow["candidate"]["label"].split(), "--max-steps", "2")
     assert result.returncode == 0, result.stderr
     assert "faster than this plan" in result.stderr
 
