@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gradmesh.cli
+from gradmesh.cli import auto
 from gradmesh import config as configuration
 from gradmesh.cli import train as train_command
 from test_cli_errors import snapshot
@@ -93,6 +94,9 @@ def _call(folder: Path, argv: list[str]) -> tuple[int, str]:
         os.chdir(folder)
         patches.enter_context(_patched(subprocess, "Popen", _NoWorkers))
         patches.enter_context(_patched(train_command, "_launch", lambda cfg, nproc, run_dir, prediction=None: 0))
+        # --strategy auto plans (real processes calibrate) once the input is checked: stopped there
+        # too, as the first strategy; tests/test_plan_runs.py runs the planning for real.
+        patches.enter_context(_patched(auto, "choose", lambda cfg, nproc, device: (auto.placeholder(cfg), None)))
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             try:
                 code = gradmesh.cli.main(argv)

@@ -27,6 +27,15 @@ def _machine(cfg: configuration.Config, nproc: int, device: str):
     return machine_for(cfg, nproc, device, None)
 
 
+def placeholder(cfg: configuration.Config) -> configuration.Config:
+    """`cfg` as the registry's first strategy alone, with the default --ps options: what
+    `--strategy auto` is checked as before it plans (every plan it may pick is checked again)."""
+    from gradmesh.parallel import registry
+    from gradmesh.plan.candidates import Candidate
+
+    return Candidate(registry.ROWS[0].name).configured(cfg)
+
+
 def choose(cfg: configuration.Config, nproc: int, device: str) -> tuple[configuration.Config, dict]:
     """`cfg` with the best plan's settings, and the prediction for it."""
     from gradmesh.plan.planner import plan

@@ -32,7 +32,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     device, nproc = launch_shape(cfg.launch)
     prediction: dict | None
-    if cfg.train.strategy == auto.AUTO:  # planned first: the checks below are of the plan it picks
+    if cfg.train.strategy == auto.AUTO:
+        check_train(auto.placeholder(cfg), nproc, device)  # the rest of the input first: planning takes a while
         cfg, prediction = auto.choose(cfg, nproc, device)
         run_dir = check_train(cfg, nproc, device)
     else:

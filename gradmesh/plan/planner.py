@@ -89,13 +89,22 @@ def _batch_sizes(cfg: configuration.Config, machine: Machine) -> tuple[int, ...]
     return tuple(sorted({smallest, max(smallest, batch // machine.world), batch}))
 
 
+def _processor() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo; platform.processor() would run uname)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    except OSError:
+        return platform.machine()
+
+
 def _key(cfg: configuration.Config, machine: Machine, sizes: tuple[int, ...], groups: list[int]) -> str:
     from gradmesh import workloads
     from gradmesh.loop.trainer import optimizer_spec
 
     optimizer_class, kwargs = optimizer_spec(cfg.train)
     what = {
-        "machine": [platform.processor() or platform.machine(), os.cpu_count(), torch.__version__],
+        "machine": [_processor(), os.cpu_count(), torch.__version__],
         "model": sorted(workloads.model_shapes(cfg).items()),
         "optimizer": [optimizer_class.__name__, probe_state(optimizer_class, kwargs)[0]],
         "threads": sorted({machine.threads(machine.nproc), machine.threads(1)}),
