@@ -109,7 +109,7 @@ def cli(capsys, monkeypatch):
 
 
 STRAGGLER = ["--max-steps", "30", "--global-batch-size", "16", "--set", "train.log_every=2",
-             "--inject", "slow:rank=1,factor=2", "--trace-steps", "3:4", "--check-every", "5", "--tensorboard"]
+             "--inject", "slow:rank=1,factor=2,delay=0.02", "--trace-steps", "3:4", "--check-every", "5", "--tensorboard"]
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ DIGITS = ("--model", "mlp-digits", "--max-steps", "20", "--global-batch-size", "
 # Load balancing's reaction run (test_balance; the dashboard plots its shares): rank 1 slowed 3x
 # for steps 1-10 of 30 under SGD, with --compression auto and --bucket-mb auto on board.
 BALANCED = ("--max-steps", "30", "--global-batch-size", "16", "--optimizer", "sgd", "--balance", "auto",
-            "--inject", "slow:rank=1,factor=3,step=1,steps=10", "--compression", "auto", "--bucket-mb", "auto")
+            "--inject", "slow:rank=1,factor=3,delay=0.01,step=1,steps=10", "--compression", "auto", "--bucket-mb", "auto")
 
 
 def ddp_run(catalogue: Catalogue, nproc: int, optimizer: str) -> Path:
