@@ -1,4 +1,9 @@
-"""Row-wise Adagrad for embedding tables, beside torch's own optimizer for every other parameter.
+"""Optimizers: the config's choice as a torch optimizer (`optimizer_spec`), the state one keeps per
+parameter (`probe_state`, asked of the optimizer itself), and row-wise Adagrad for embedding
+tables beside torch's own optimizer for every other parameter. Kept apart from the training loop
+so a launch's checks need not import it (and DCP with it).
+
+Row-wise Adagrad.
 
 Recommendation models train their tables with a row-wise optimizer: one accumulator per row
 (FBGEMM's and TorchRec's default), so a table's optimizer state is a column, not a second table,
@@ -17,8 +22,44 @@ and a dense layer that happens to share a table's shape must not train row-wise.
 """
 
 import torch
+import torch.nn as nn
+
+from gradmesh.config import TrainConfig
 
 EPS = 1e-8
+OptimizerSpec = tuple[type[torch.optim.Optimizer], dict]
+
+
+def optimizer_spec(train: TrainConfig) -> OptimizerSpec:
+    """(optimizer class, keyword arguments) from the config's adamw|sgd choice."""
+    if train.optimizer == "sgd":
+        return torch.optim.SGD, {"lr": train.lr, "momentum": train.momentum, "weight_decay": train.weight_decay}
+    return torch.optim.AdamW, {"lr": train.lr, "weight_decay": train.weight_decay}
+
+
+def probe_state(optimizer_class: type, kwargs: dict) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """The optimizer's state for one parameter, found by stepping it once on a probe: the names of
+    its element-wise slots (Adam's two moments, SGD's momentum buffer, Adagrad's sum) and its
+    scalars (Adam's step count). Asked of the optimizer itself, so any torch optimizer (amsgrad's
+    third moment included) is counted right without a table of classes."""
+    probe = nn.Parameter(torch.zeros(2))
+    optimizer = optimizer_class([probe], **dict(kwargs, lr=0.0))
+    probe.grad = torch.zeros(2)
+    optimizer.step()  # torch optimizers make their state on the first step
+    tensors = {k: v for k, v in optimizer.state[probe].items() if isinstance(v, torch.Tensor)}
+    elementwise = [k for k, v in tensors.items() if v.shape == probe.shape]
+    return elementwise, {k: v for k, v in tensors.items() if k not in elementwise}
+
+
+def optimizer_slots(optimizer_class: type, kwargs: dict) -> int:
+    """State tensors the size of its parameter the optimizer keeps per parameter (`probe_state`)."""
+    return len(probe_state(optimizer_class, kwargs)[0])
+
+
+def trained_bytes(weight_bytes: int, slots: int) -> int:
+    """Bytes that weights of `weight_bytes` hold in training: themselves, their gradients and the
+    optimizer's `slots` state tensors of the same size each (`optimizer_slots`)."""
+    return weight_bytes * (2 + slots)
 
 
 def rowwise_adagrad(param: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor, lr: float) -> None:

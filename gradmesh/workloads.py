@@ -163,8 +163,7 @@ def data_bytes(cfg: Config) -> int:
 
 def recsys_optimizer(cfg: Config, model: dlrm.DLRM) -> tuple[type, dict]:
     """`train.optimizer` for the dense layers, row-wise Adagrad at `train.table_lr` for the tables."""
-    from gradmesh.loop.trainer import optimizer_spec
-    from gradmesh.optim import with_rowwise_tables
+    from gradmesh.optim import optimizer_spec, with_rowwise_tables
     from gradmesh.parallel.ps import sparse_tables
 
     base, kwargs = optimizer_spec(cfg.train)

@@ -1,7 +1,8 @@
 """The registry's formulas against a real run: bytes the reducer counted and bytes each rank holds."""
 
-from gradmesh.parallel import registry
 from helpers import metrics, summary, weights
+
+from gradmesh.parallel import registry
 
 
 def test_ddp_bytes_on_the_wire_and_in_memory_match_the_registry(straggler_run):
@@ -24,7 +25,7 @@ def test_slot_count_is_what_the_optimizer_keeps():
     Adagrad's sum, SGD without momentum keeping none)."""
     import torch
 
-    from gradmesh.parallel.state import optimizer_slots
+    from gradmesh.optim import optimizer_slots
 
     cases = [(torch.optim.AdamW, {}, 2), (torch.optim.Adam, {"amsgrad": True}, 3), (torch.optim.SGD, {}, 0),
              (torch.optim.SGD, {"momentum": 0.9}, 1), (torch.optim.Adagrad, {}, 1)]

@@ -15,17 +15,20 @@ GIB = 2**30
 SIZE_KEYS = {"gpt-char": "model.n_layer, model.n_embd", "mlp-digits": "model.hidden", "recsys": "model.rows, model.dim"}
 
 
-def model_size(cfg: configuration.Config, model) -> registry.ModelSize:
-    """What the registry's formulas need to know of the configured model and optimizer."""
-    from gradmesh.loop.trainer import optimizer_spec
-    from gradmesh.parallel.state import optimizer_slots
-    from gradmesh.parallel.tensor import tp_parameter_count
+SLOTS_BOUND = 4
+"""More state tensors per parameter than any optimizer `train.optimizer` names keeps (AdamW: 2)."""
 
-    optimizer_class, kwargs = optimizer_spec(cfg.train)
+
+def model_size(cfg: configuration.Config, model, slots: int | None = None) -> registry.ModelSize:
+    """What the registry's formulas need to know of the configured model and optimizer; `slots`:
+    the optimizer's state tensors per parameter where already known (else asked of it)."""
+    from gradmesh.optim import optimizer_slots, optimizer_spec
+    from gradmesh.parallel.tp_plans import tp_parameter_count
+
+    if slots is None:
+        slots = optimizer_slots(*optimizer_spec(cfg.train))
     return registry.ModelSize(
-        params=sum(p.numel() for p in model.parameters()),
-        slots=optimizer_slots(optimizer_class, kwargs),
-        tp_params=tp_parameter_count(model),
+        params=sum(p.numel() for p in model.parameters()), slots=slots, tp_params=tp_parameter_count(model)
     )
 
 
@@ -51,7 +54,12 @@ def check_memory(cfg: configuration.Config, plan: registry.Plan, meta_model, npr
     have, sharing, where = memory_room(cfg, nproc, device)
     if have is None:
         return
-    size = model_size(cfg, meta_model())
+    model = meta_model()
+    # The bound first: asking the optimizer its slots steps it once, and torch's first optimizer
+    # step imports its compiler (about a second), which a launch that clearly fits need not wait for.
+    if plan.state_bytes(model_size(cfg, model, slots=SLOTS_BOUND)) * sharing <= have:
+        return
+    size = model_size(cfg, model)
     need = plan.state_bytes(size) * sharing
     if need <= have:
         return

@@ -15,8 +15,8 @@ from gradmesh.engine.base import Engine, StepProbe, to_device
 from gradmesh.errors import UsageError
 from gradmesh.files import atomic_write
 from gradmesh.monitor.progress import print_pipeline_plan
+from gradmesh.optim import optimizer_slots
 from gradmesh.parallel.pipeline import PipelineOptions, padded_rows, pipeline_of
-from gradmesh.parallel.state import optimizer_slots
 
 
 class PipelineEngine(Engine):

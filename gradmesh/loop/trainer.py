@@ -34,22 +34,15 @@ from gradmesh.loop.nonfinite import NonFiniteError, RollBack
 from gradmesh.loop.services import RunContext, largest
 from gradmesh.loop.session import Session, init
 from gradmesh.monitor.progress import print_summary
+from gradmesh.optim import OptimizerSpec, optimizer_spec
 from gradmesh.parallel.registry import resolve
 
 if TYPE_CHECKING:  # imported only under in-place recovery
     from gradmesh.fault.recovery import InplaceRecovery
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
-OptimizerSpec = tuple[type[torch.optim.Optimizer], dict]
 SEGMENT_STEPS = 50
 """Steps an engine whose ranks do not step together runs between two reports to the services."""
-
-
-def optimizer_spec(train: TrainConfig) -> OptimizerSpec:
-    """(optimizer class, keyword arguments) from the config's adamw|sgd choice."""
-    if train.optimizer == "sgd":
-        return torch.optim.SGD, {"lr": train.lr, "momentum": train.momentum, "weight_decay": train.weight_decay}
-    return torch.optim.AdamW, {"lr": train.lr, "weight_decay": train.weight_decay}
 
 
 class Trainer:

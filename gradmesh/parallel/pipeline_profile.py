@@ -7,8 +7,8 @@ import time
 import torch
 import torch.nn as nn
 
+from gradmesh.optim import trained_bytes
 from gradmesh.parallel.pipeline_units import keep_only
-from gradmesh.parallel.state import trained_bytes
 from gradmesh.plan.partition import UnitCost
 
 

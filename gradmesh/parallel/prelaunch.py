@@ -6,7 +6,7 @@ from gradmesh.mesh import DP_AXIS, PP_AXIS, TP_AXIS
 
 
 def check_tp(cfg, mesh: dict[str, int], meta_model) -> None:
-    from gradmesh.parallel.tensor import check_tp_degree
+    from gradmesh.parallel.tp_plans import check_tp_degree
 
     check_tp_degree(cfg.model.name, cfg.model.n_head, cfg.model.n_embd, mesh[TP_AXIS])
 

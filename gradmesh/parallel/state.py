@@ -11,31 +11,6 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 
-def probe_state(optimizer_class: type, kwargs: dict) -> tuple[list[str], dict[str, torch.Tensor]]:
-    """The optimizer's state for one parameter, found by stepping it once on a probe: the names of
-    its element-wise slots (Adam's two moments, SGD's momentum buffer, Adagrad's sum) and its
-    scalars (Adam's step count). Asked of the optimizer itself, so any torch optimizer (amsgrad's
-    third moment included) is counted right without a table of classes."""
-    probe = nn.Parameter(torch.zeros(2))
-    optimizer = optimizer_class([probe], **dict(kwargs, lr=0.0))
-    probe.grad = torch.zeros(2)
-    optimizer.step()  # torch optimizers make their state on the first step
-    tensors = {k: v for k, v in optimizer.state[probe].items() if isinstance(v, torch.Tensor)}
-    elementwise = [k for k, v in tensors.items() if v.shape == probe.shape]
-    return elementwise, {k: v for k, v in tensors.items() if k not in elementwise}
-
-
-def optimizer_slots(optimizer_class: type, kwargs: dict) -> int:
-    """State tensors the size of its parameter the optimizer keeps per parameter (`probe_state`)."""
-    return len(probe_state(optimizer_class, kwargs)[0])
-
-
-def trained_bytes(weight_bytes: int, slots: int) -> int:
-    """Bytes that weights of `weight_bytes` hold in training: themselves, their gradients and the
-    optimizer's `slots` state tensors of the same size each (`optimizer_slots`)."""
-    return weight_bytes * (2 + slots)
-
-
 def plain_optimizer(params, topology, optimizer_class, **kwargs) -> torch.optim.Optimizer:
     return optimizer_class(params, **kwargs)
 

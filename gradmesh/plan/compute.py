@@ -108,7 +108,7 @@ def _boundaries(workload, batch) -> tuple[float, int]:
 
 
 def _optimizer_s_per_param(workload, cfg: Config) -> float:
-    from gradmesh.loop.trainer import optimizer_spec
+    from gradmesh.optim import optimizer_spec
 
     optimizer_class, kwargs = workload.optimizer or optimizer_spec(cfg.train)
     optimizer = optimizer_class(workload.model.parameters(), **kwargs)

@@ -20,7 +20,6 @@ import torch
 from gradmesh import config as configuration
 from gradmesh.files import atomic_write
 from gradmesh.parallel import registry
-from gradmesh.parallel.state import probe_state
 from gradmesh.plan import cache_dir, costs
 from gradmesh.plan.candidates import Candidate, candidates
 from gradmesh.plan.compute import ComputeProfile, co_running, measure_compute
@@ -100,13 +99,13 @@ def _processor() -> str:
 
 def _key(cfg: configuration.Config, machine: Machine, sizes: tuple[int, ...], groups: list[int]) -> str:
     from gradmesh import workloads
-    from gradmesh.loop.trainer import optimizer_spec
+    from gradmesh.optim import optimizer_spec
 
     optimizer_class, kwargs = optimizer_spec(cfg.train)
     what = {
         "machine": [_processor(), os.cpu_count(), torch.__version__],
         "model": sorted(workloads.model_shapes(cfg).items()),
-        "optimizer": [optimizer_class.__name__, probe_state(optimizer_class, kwargs)[0]],
+        "optimizer": [optimizer_class.__name__, sorted((k, v) for k, v in kwargs.items() if k != "lr")],
         "threads": sorted({machine.threads(machine.nproc), machine.threads(1)}),
         "sizes": sizes,
         "groups": groups,
@@ -152,8 +151,7 @@ def calibrate(cfg: configuration.Config, machine: Machine, refresh: bool = False
 
 
 def _slots(cfg: configuration.Config) -> int:
-    from gradmesh.loop.trainer import optimizer_spec
-    from gradmesh.parallel.state import optimizer_slots
+    from gradmesh.optim import optimizer_slots, optimizer_spec
 
     return optimizer_slots(*optimizer_spec(cfg.train))
 
@@ -161,7 +159,7 @@ def _slots(cfg: configuration.Config) -> int:
 def _options(cfg: configuration.Config, machine: Machine) -> costs.Options:
     from gradmesh import workloads
     from gradmesh.parallel.ps import sparse_tables
-    from gradmesh.parallel.tensor import tp_parameter_count
+    from gradmesh.parallel.tp_plans import tp_parameter_count
 
     model = workloads.meta_model(cfg)
     tables = [table for _, table in sparse_tables(model)]

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from gradmesh import config as configuration
+from gradmesh.optim import optimizer_slots
 from gradmesh.parallel import registry
-from gradmesh.parallel.state import optimizer_slots
 from gradmesh.plan import costs
 from gradmesh.plan.candidates import Candidate, data_ranks
 from gradmesh.plan.compute import ComputeProfile
@@ -93,7 +93,7 @@ def wire_bytes_per_param(compression: str, shapes: dict[str, tuple[int, ...]]) -
 
 
 def _model_size(cfg: configuration.Config, profile: ComputeProfile, options: costs.Options) -> registry.ModelSize:
-    from gradmesh.loop.trainer import optimizer_spec
+    from gradmesh.optim import optimizer_spec
 
     optimizer_class, kwargs = optimizer_spec(cfg.train)
     return registry.ModelSize(

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gradmesh.optim import probe_state
 from gradmesh.parallel.ps import Layout
-from gradmesh.parallel.state import probe_state
 
 
 def slot_bytes(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> int:
