@@ -22,10 +22,11 @@ from gradmesh.files import atomic_write
 from gradmesh.parallel import registry
 from gradmesh.parallel.state import probe_state
 from gradmesh.plan import cache_dir, costs
-from gradmesh.plan.candidates import Candidate, candidates
+from gradmesh.plan.arithmetic import measure_compression
+from gradmesh.plan.candidates import COMPRESSIONS, Candidate, candidates
 from gradmesh.plan.compute import ComputeProfile, co_running, measure_compute
 from gradmesh.plan.link import LinkProfile, bytes_moved, measure_link
-from gradmesh.plan.overhead import measure_overheads, one_worker_step
+from gradmesh.plan.overhead import measure_overheads, trial_step
 from gradmesh.plan.predict import Inputs, Machine, Prediction, predict, settle
 
 FORMAT = 4
@@ -134,6 +135,15 @@ def calibrate(cfg: configuration.Config, machine: Machine, refresh: bool = False
     found = None if refresh else _cached(path)
     if found is not None:
         return found, path, True
+    found = _measure(cfg, machine, sizes, groups)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(found.to_json(), indent=1))
+    return found, path, False
+
+
+def _measure(cfg: configuration.Config, machine: Machine, sizes: tuple[int, ...], groups: list[int]) -> Calibration:
+    from gradmesh import workloads
+
     threads = sorted({machine.threads(machine.nproc), machine.threads(1)})
     compute = {t: measure_compute(cfg, t, sizes) for t in threads}
     links = {n: measure_link(n, threads=machine.threads(n), repeats=9) for n in groups}
@@ -141,14 +151,31 @@ def calibrate(cfg: configuration.Config, machine: Machine, refresh: bool = False
     batch = max(1, cfg.train.global_batch_size // machine.world)
     overheads = measure_overheads(cfg, worker, batch, _slots(cfg))
     overheads["co_running"] = co_running(machine.nproc, worker.threads)
+    overheads.update(measure_compression(workloads.model_shapes(cfg), COMPRESSIONS, worker.threads))
     # The speed-up's baseline is measured, not predicted: one worker with every core, the whole batch.
-    alone = one_worker_step(cfg, registry.ROWS[0].name, cfg.train.global_batch_size, machine.threads(1))
+    alone = trial_step(cfg, registry.ROWS[0].name, cfg.train.global_batch_size, machine.threads(1))
     if alone is not None:
         overheads["single_step_s"] = alone[0]
     found = Calibration(compute, links, overheads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(found.to_json(), indent=1))
-    return found, path, False
+    if machine.nproc > 1:
+        overheads["world_loop"] = _world_loop(cfg, machine, found)
+    return found
+
+
+def _world_loop(cfg: configuration.Config, machine: Machine, calibration: Calibration) -> float:
+    """What a step of N workers costs beyond its parts as predicted from one worker and the
+    link: the loop's own collectives (the loss, the metrics, the step's agreement) and the
+    processes' wake-ups around every call. Measured once, with the first strategy of the
+    registry at this machine's worker count; every plan of more than one rank pays it."""
+    local = dataclasses.replace(machine, nnodes=1)
+    baseline = Candidate(registry.ROWS[0].name)
+    measured = trial_step(
+        cfg, baseline.strategy, cfg.train.global_batch_size, local.threads(local.nproc), nproc=local.nproc
+    )
+    if measured is None:
+        return 0.0
+    predicted = _predicted(cfg, calibration, local, baseline)
+    return max(measured[0] - predicted.step_s, 0.0) / calibration.overheads.get("co_running", 1.0)
 
 
 def _slots(cfg: configuration.Config) -> int:
@@ -205,7 +232,7 @@ def _ranked(
         options = _options(configured, machine)
         inputs = Inputs(configured, calibration.compute, calibration, machine, options, shapes, calibration.overheads)
         found.append(predict(inputs, candidate, job))
-    single = _single_worker_step(cfg, calibration, machine, shapes)
+    single = _single_worker_step(cfg, calibration, machine)
     settle(found, single, samples, machine)
     ranked = _simplest_first(sorted((p for p in found if p.fits), key=lambda p: p.step_s))
     ranked += sorted((p for p in found if not p.fits), key=lambda p: p.peak_bytes)
@@ -230,12 +257,23 @@ def _simplest_first(ranked: list[Prediction]) -> list[Prediction]:
     return [simplest, *(p for p in ranked if p is not simplest)]
 
 
-def _single_worker_step(cfg, calibration: Calibration, machine: Machine, shapes) -> float:
+def _single_worker_step(cfg, calibration: Calibration, machine: Machine) -> float:
     """The step of one worker with every core: what speed-up is measured against (as calibrated)."""
     if "single_step_s" in calibration.overheads:
         return calibration.overheads["single_step_s"]
     one = dataclasses.replace(machine, nproc=1, nnodes=1)
-    baseline = Candidate(registry.ROWS[0].name)
-    job = registry.resolve(baseline.strategy, registry.mesh_for(baseline.strategy, 1))
-    inputs = Inputs(cfg, calibration.compute, calibration, one, _options(cfg, one), shapes, calibration.overheads)
-    return predict(inputs, baseline, job).step_s
+    return _predicted(cfg, calibration, one, Candidate(registry.ROWS[0].name)).step_s
+
+
+def _predicted(
+    cfg: configuration.Config, calibration: Calibration, machine: Machine, candidate: Candidate
+) -> Prediction:
+    from gradmesh import workloads
+
+    mesh = registry.mesh_for(candidate.strategy, machine.world)
+    job = registry.resolve(candidate.strategy, mesh)
+    shapes = workloads.model_shapes(cfg)
+    inputs = Inputs(
+        cfg, calibration.compute, calibration, machine, _options(cfg, machine), shapes, calibration.overheads
+    )
+    return predict(inputs, candidate, job)
