@@ -14,6 +14,7 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from gradmesh.parallel.state import probe_state
 from gradmesh.plan import cache_dir, costs
 from gradmesh.plan.candidates import Candidate, candidates
 from gradmesh.plan.compute import ComputeProfile, co_running, measure_compute
+from gradmesh.plan.hardware import Cluster
 from gradmesh.plan.link import LinkProfile, bytes_moved, measure_link
 from gradmesh.plan.overhead import measure_overheads, one_worker_step
 from gradmesh.plan.predict import Inputs, Machine, Prediction, predict, settle
@@ -51,6 +53,10 @@ class Calibration:
         steps = (ranks - 1) / max(link.world - 1, 1)
         return calls * fit.alpha_s * steps + bytes_moved(kind, nbytes, ranks) * fit.beta_s_per_byte
 
+    def along(self, stride: int) -> "Calibration":
+        """`costs.Network`: every rank calibrated here shares this machine's links, wherever it sits."""
+        return self
+
     def to_json(self) -> dict:
         return {
             "format": FORMAT,
@@ -77,8 +83,11 @@ class Planned:
     refused: list[tuple[Candidate, str]]
     single_step_s: float
     samples: int
-    cache: Path
-    cached: bool
+    cache: Path | None = None
+    """The calibration's file (None on a hypothetical cluster)."""
+    cached: bool = False
+    hardware: Cluster | None = None
+    """The hypothetical cluster predicted for, in place of a calibration."""
 
 
 def _batch_sizes(cfg: configuration.Config, machine: Machine) -> tuple[int, ...]:
@@ -181,7 +190,19 @@ def _options(cfg: configuration.Config, machine: Machine) -> costs.Options:
 
 def plan(cfg: configuration.Config, machine: Machine, samples: int, refresh: bool = False) -> Planned:
     """Every candidate predicted and ranked; `samples`: the data volume to train."""
-    return _ranked(cfg, machine, samples, *calibrate(cfg, machine, refresh))
+    found, path, cached = calibrate(cfg, machine, refresh)
+    return _ranked(cfg, machine, samples, found.compute, found, found.overheads, cache=path, cached=cached)
+
+
+def hypothetical_plan(cfg: configuration.Config, machine: Machine, cluster: Cluster, samples: int) -> Planned:
+    """`plan` on a cluster from the hardware table: the model's FLOPs instead of timed passes, the
+    cluster's links instead of calibrated ones; nothing measured, nothing started."""
+    from gradmesh.plan.flops import flop_profile
+
+    profile = flop_profile(cfg, cluster.device)
+    compute = {machine.threads(n): profile for n in (1, machine.nproc)}  # a GPU's speed is not its host's threads
+    overheads = {"co_running": 1.0}  # each rank computes on a GPU of its own
+    return _ranked(cfg, machine, samples, compute, cluster, overheads, hardware=cluster)
 
 
 def cached_plan(cfg: configuration.Config, machine: Machine) -> Planned | None:
@@ -189,12 +210,21 @@ def cached_plan(cfg: configuration.Config, machine: Machine) -> Planned | None:
     path = _calibration_place(cfg, machine)[2]
     found = _cached(path)
     samples = cfg.train.max_steps * cfg.train.global_batch_size
-    return None if found is None else _ranked(cfg, machine, samples, found, path, True)
+    if found is None:
+        return None
+    return _ranked(cfg, machine, samples, found.compute, found, found.overheads, cache=path, cached=True)
 
 
 def _ranked(
-    cfg: configuration.Config, machine: Machine, samples: int, calibration: Calibration, path: Path, cached: bool
+    cfg: configuration.Config,
+    machine: Machine,
+    samples: int,
+    compute: dict[int, ComputeProfile],
+    network: costs.Network,
+    overheads: dict[str, float],
+    **source: Any,
 ) -> Planned:
+    """`source`: where the costs come from (`Planned`'s cache and cached, or hardware)."""
     from gradmesh import workloads
 
     shapes = workloads.model_shapes(cfg)
@@ -203,13 +233,12 @@ def _ranked(
     for candidate, job in allowed:
         configured = candidate.configured(cfg)
         options = _options(configured, machine)
-        inputs = Inputs(configured, calibration.compute, calibration, machine, options, shapes, calibration.overheads)
-        found.append(predict(inputs, candidate, job))
-    single = _single_worker_step(cfg, calibration, machine, shapes)
+        found.append(predict(Inputs(configured, compute, network, machine, options, shapes, overheads), candidate, job))
+    single = _single_worker_step(Inputs(cfg, compute, network, machine, _options(cfg, machine), shapes, overheads))
     settle(found, single, samples, machine)
     ranked = _simplest_first(sorted((p for p in found if p.fits), key=lambda p: p.step_s))
     ranked += sorted((p for p in found if not p.fits), key=lambda p: p.peak_bytes)
-    return Planned(ranked, refused, single, samples, path, cached)
+    return Planned(ranked, refused, single, samples, **source)
 
 
 TIE = 0.02
@@ -230,12 +259,11 @@ def _simplest_first(ranked: list[Prediction]) -> list[Prediction]:
     return [simplest, *(p for p in ranked if p is not simplest)]
 
 
-def _single_worker_step(cfg, calibration: Calibration, machine: Machine, shapes) -> float:
+def _single_worker_step(job: Inputs) -> float:
     """The step of one worker with every core: what speed-up is measured against (as calibrated)."""
-    if "single_step_s" in calibration.overheads:
-        return calibration.overheads["single_step_s"]
-    one = dataclasses.replace(machine, nproc=1, nnodes=1)
+    if "single_step_s" in job.overheads:
+        return job.overheads["single_step_s"]
+    one = dataclasses.replace(job.machine, nproc=1, nnodes=1)
     baseline = Candidate(registry.ROWS[0].name)
-    job = registry.resolve(baseline.strategy, registry.mesh_for(baseline.strategy, 1))
-    inputs = Inputs(cfg, calibration.compute, calibration, one, _options(cfg, one), shapes, calibration.overheads)
-    return predict(inputs, baseline, job).step_s
+    plan = registry.resolve(baseline.strategy, registry.mesh_for(baseline.strategy, 1))
+    return predict(dataclasses.replace(job, machine=one), baseline, plan).step_s
