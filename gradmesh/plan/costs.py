@@ -33,6 +33,11 @@ class Network(Protocol):
         """Seconds for `calls` collectives of `kind` moving `nbytes` in all over `ranks` ranks."""
         ...
 
+    def along(self, stride: int) -> "Network":
+        """The links as a group of ranks `stride` apart sees them (a mesh axis with `stride` ranks
+        of later axes between its members: across nodes, where a node holds fewer than that)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Options:

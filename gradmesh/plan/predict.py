@@ -120,6 +120,19 @@ class Inputs:
     """The training loop's seconds per step ("loop") and each strategy's per micro-batch pass."""
 
 
+def apply_rows(step: costs.Step, plan: registry.Plan) -> costs.Step:
+    """The plan's rows shape `step` in composition order, each over its axis's group of ranks as
+    the row-major mesh places it (later axes contiguous); the compute they leave is added last."""
+    network, axes = step.network, list(plan.mesh)
+    for row in plan.rows:
+        assert row.cost is not None, row.name  # every row has a cost function (tests/test_architecture.py)
+        step.network = network.along(math.prod(plan.mesh[axis] for axis in axes[axes.index(row.axis) + 1 :]))
+        registry.load(row.cost)(step, plan.mesh[row.axis])
+    step.network = network
+    step.add("compute", step.micro * step.pass_s())
+    return step
+
+
 def _step(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> costs.Step:
     """One rank's step as the plan's rows shape it, compute added last."""
     profile = inputs.profiles[inputs.machine.threads(inputs.machine.nproc)]
@@ -133,10 +146,7 @@ def _step(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> costs.St
         params=profile.params,
     )
     step.grad_bytes_per_param, step.grad_calls = wire_of(candidate.compression, inputs.shapes)
-    for row in plan.rows:
-        assert row.cost is not None, row.name  # every row has a cost function (tests/test_architecture.py)
-        registry.load(row.cost)(step, plan.mesh[row.axis])
-    step.add("compute", step.micro * step.pass_s())
+    apply_rows(step, plan)
     step.add("compress", inputs.overheads.get(method_of(candidate.compression), 0.0) * step.reduced_share)
     step.add(
         "loop", inputs.overheads.get("loop", 0.0) + inputs.overheads.get("world_loop", 0.0) * (inputs.machine.world > 1)
