@@ -76,14 +76,29 @@ def test_every_candidate_passes_the_checks_train_makes_and_the_refused_say_why()
     assert len({c for c, _ in allowed}) == len(allowed)
 
 
-def test_compressed_gradients_cost_their_wire_bytes():
-    from gradmesh.plan.predict import wire_bytes_per_param
+def test_compressed_gradients_cost_their_wire_bytes_and_calls():
+    from gradmesh.plan.predict import wire_of
 
     shapes = {"w": (256, 256), "b": (256,)}
-    assert wire_bytes_per_param("none", shapes) == 4
-    assert wire_bytes_per_param("fp16", shapes) == 2
+    assert wire_of("none", shapes) == (4, 1)
+    assert wire_of("fp16", shapes) == (2, 1)
     params = 256 * 256 + 256
-    assert wire_bytes_per_param("powersgd:rank=4", shapes) == pytest.approx((4 * (256 + 256) * 4 + 4 * 256) / params)
+    # PowerSGD: P (256 x 4) and Q (256 x 4) of the matrix, the bias as a plain mean: three calls.
+    per_param, calls = wire_of("powersgd:rank=4", shapes)
+    assert per_param == pytest.approx((4 * (256 + 256) * 4 + 4 * 256) / params) and calls == 3
+    assert wire_of("powersgd:rank=4", {"w": (256, 256)})[1] == 2  # no plain tensor, no plain call
+    assert wire_of("topk:ratio=0.01", shapes)[1] == 2  # the bias's mean and one all-gather
+
+
+def test_compression_arithmetic_is_timed_per_method_on_the_model_shapes():
+    from gradmesh.plan.arithmetic import measure_compression
+
+    shapes = {"w": (512, 512), "b": (512,)}
+    found = measure_compression(shapes, ["none", "fp16", "powersgd:rank=4"], threads=1)
+    assert set(found) == {"compress:fp16", "compress:powersgd"}
+    # A rank-4 PowerSGD step multiplies the 512 x 512 matrix twice and forms its error: more work
+    # than narrowing and widening a copy of it.
+    assert found["compress:powersgd"] > found["compress:fp16"] >= 0
 
 
 def test_calibration_round_trips_through_json():

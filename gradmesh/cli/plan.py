@@ -19,6 +19,7 @@ from gradmesh.cli.train_options import add_job_options
 from gradmesh.errors import UsageError
 from gradmesh.files import atomic_write
 from gradmesh.paths import checked
+from gradmesh.plan.hardware import DEVICES, LINK_SYNTAX, Cluster, device, parse_link
 
 MARK = "gradmesh plan"
 """plan.json's "written_by": a file without it is not ours to replace."""
@@ -44,8 +45,18 @@ def add_parser(subparsers) -> None:
     launch.add_argument(
         "--nproc", type=nproc_type, metavar="N", help="workers per machine (default: as gradmesh train)"
     )
-    launch.add_argument("--nnodes", type=integer, metavar="N", help="machines (default 1)")
+    launch.add_argument("--nnodes", "--nodes", type=integer, metavar="N", help="machines (default 1)")
     launch.add_argument("--device", choices=configuration.DEVICES)
+    launch.add_argument(
+        "--hardware",
+        choices=DEVICES,
+        metavar="NAME",
+        help=f"plan for a hypothetical cluster of these GPUs instead of this machine: {', '.join(DEVICES)} "
+        "(nothing is calibrated or started; --nproc defaults to the node's GPUs)",
+    )
+    launch.add_argument(
+        "--link", metavar="BW[,LATENCY]", help=f"with --hardware, the network between nodes: {LINK_SYNTAX}"
+    )
     parser.set_defaults(run_dir=None, resume=None)
 
 
@@ -73,23 +84,60 @@ def _check_out(text: str) -> Path:
     return path
 
 
+def _cluster(args: argparse.Namespace) -> Cluster | None:
+    """The hypothetical cluster `--hardware` asks for (and --nproc's default from it); None without."""
+    if args.hardware is None:
+        if args.link is not None:
+            raise UsageError(f"--link {args.link} describes a hypothetical cluster; give --hardware NAME with it")
+        return None
+    gpu = device(args.hardware)
+    args.nproc = args.nproc or gpu.per_node
+    inter = parse_link(args.link, gpu.inter) if args.link is not None else gpu.inter
+    # The nodes are the cluster's, not a launch's: kept out of the config, which would ask for a rendezvous
+    nodes, args.nnodes = 1 if args.nnodes is None else args.nnodes, None
+    if nodes < 1:
+        raise UsageError(f"--nodes must be >= 1, got {nodes}")
+    return Cluster(device=gpu, nodes=nodes, nproc=args.nproc, inter=inter)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.memory_per_rank is not None:
         args.set = [*args.set, f"launch.memory_per_rank_mb={args.memory_per_rank}"]
+    cluster = _cluster(args)
     cfg = resolve_config(args)
-    device, nproc = launch_shape(cfg.launch)
     out = _check_out(args.out)
     samples = _volume(args, cfg)
-    from gradmesh.cli.plan_table import machine_for, print_plan, to_json
+    from gradmesh.cli.plan_table import print_plan, to_json
+
+    if cluster is not None:
+        planned, machine = _hypothetical(args, cfg, cluster, samples)
+    else:
+        planned, machine = _calibrated(args, cfg, samples)
+    print_plan(planned, machine, args.top or 12)
+    atomic_write(out, json.dumps({"written_by": MARK, **to_json(planned, machine)}, indent=1))
+    print(f"wrote {os.fspath(out)}", file=sys.stderr)
+    return 0
+
+
+def _calibrated(args: argparse.Namespace, cfg: configuration.Config, samples: int):
+    """The plan for this machine, from its calibration (measured now, or cached)."""
+    from gradmesh.cli.plan_table import machine_for
     from gradmesh.plan.planner import plan
 
+    device, nproc = launch_shape(cfg.launch)
     machine = machine_for(cfg, nproc, device, args.price_per_hour)
     print(
         f"gradmesh plan: calibrating {cfg.model.name} on {nproc} worker(s) (cached after the first time)",
         file=sys.stderr,
     )
-    planned = plan(cfg, machine, samples, refresh=args.refresh)
-    print_plan(planned, machine, args.top or 12)
-    atomic_write(out, json.dumps({"written_by": MARK, **to_json(planned, machine)}, indent=1))
-    print(f"wrote {os.fspath(out)}", file=sys.stderr)
-    return 0
+    return plan(cfg, machine, samples, refresh=args.refresh), machine
+
+
+def _hypothetical(args: argparse.Namespace, cfg: configuration.Config, cluster: Cluster, samples: int):
+    """`--hardware`: the plan for a cluster from the table, at once (no calibration, no process)."""
+    from gradmesh.cli.plan_table import cluster_machine
+    from gradmesh.plan.planner import hypothetical_plan
+
+    machine = cluster_machine(cluster, args.price_per_hour, cfg.launch.memory_per_rank_mb)
+    print(f"gradmesh plan: {cfg.model.name} on a hypothetical {cluster.describe()}", file=sys.stderr)
+    return hypothetical_plan(cfg, machine, cluster, samples), machine

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gradmesh import config as configuration
+from gradmesh.plan.hardware import Cluster
 from gradmesh.plan.planner import Planned
 from gradmesh.plan.predict import Machine, Prediction
 
@@ -23,6 +24,19 @@ def machine_for(cfg: configuration.Config, nproc: int, device: str, price: float
         cores=os.cpu_count() or 1,
         memory_per_rank=None if have is None else have / sharing,
         cuda=device == "cuda",
+        price_per_hour=price,
+    )
+
+
+def cluster_machine(cluster: Cluster, price: float | None, memory_mb: float | None) -> Machine:
+    """A hypothetical cluster as the planner's `Machine`: a GPU per rank, its memory unless
+    `launch.memory_per_rank_mb` says otherwise."""
+    return Machine(
+        nproc=cluster.nproc,
+        nnodes=cluster.nodes,
+        cores=cluster.nproc,  # one worker per GPU: nothing shares a core
+        memory_per_rank=memory_mb * MIB if memory_mb else cluster.device.memory,
+        cuda=True,
         price_per_hour=price,
     )
 
@@ -69,6 +83,9 @@ def print_plan(planned: Planned, machine: Machine, top: int) -> None:
         console.print("[red]no candidate fits in memory[/red]: the table shows by how much each misses")
     for candidate, reason in planned.refused:
         console.print(f"[dim]not a candidate: {candidate.label}: {reason}[/dim]")
+    if planned.hardware is not None:
+        console.print(f"[dim]hypothetical: {planned.hardware.describe()}; nothing calibrated (--hardware)[/dim]")
+        return
     source = "cached" if planned.cached else "measured now"
     console.print(f"[dim]calibration {source}: {planned.cache} (--refresh to measure again)[/dim]")
 
@@ -104,7 +121,19 @@ def to_json(planned: Planned, machine: Machine) -> dict:
         "machine": dataclasses.asdict(machine),
         "samples": planned.samples,
         "single_worker_step_s": planned.single_step_s,
-        "calibration": str(planned.cache),
+        "calibration": None if planned.cache is None else str(planned.cache),
+        "hardware": None if planned.hardware is None else _hardware(planned.hardware),
         "ranked": [entry(p) for p in planned.ranked],
         "refused": [{"label": c.label, "reason": why} for c, why in planned.refused],
+    }
+
+
+def _hardware(cluster: Cluster) -> dict:
+    """What a hypothetical plan assumes: the device's table row, the cluster's shape, the link between nodes."""
+    return {
+        "described": cluster.describe(),
+        "device": dataclasses.asdict(cluster.device),
+        "nodes": cluster.nodes,
+        "nproc": cluster.nproc,
+        "inter_node_link": dataclasses.asdict(cluster.inter),
     }

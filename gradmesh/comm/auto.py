@@ -50,6 +50,9 @@ class AutoCompression(Reducer):
     def wire_bytes(self, tensor, parts=None):
         return self.inner.wire_bytes(tensor, parts)
 
+    def collectives(self, tensor, parts=None):
+        return self.inner.collectives(tensor, parts)
+
     def state_dict(self):
         return self.inner.state_dict()
 

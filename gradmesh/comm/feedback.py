@@ -58,6 +58,8 @@ class ErrorFeedback(Reducer):
     """The part both methods share: per-parameter error, the plain/compressed split, state."""
 
     carries_nonfinite = False  # a low-rank or top-k summary need not keep one rank's NaN
+    exchanges = 1
+    """Collectives `exchange` makes."""
 
     def __init__(self, start: int = 0):
         self.start = start
@@ -92,6 +94,10 @@ class ErrorFeedback(Reducer):
         plain, named = self._split(tensor, parts)
         return sum(4 * p.numel() for p in plain) + sum(self.compressed_bytes(g.shape) for _, g in named)
 
+    def collectives(self, tensor, parts=None):
+        plain, named = self._split(tensor, parts)
+        return int(bool(plain)) + (self.exchanges if named else 0)
+
     def reduce(self, tensor, group, parts=None):
         plain, named = self._split(tensor, parts)
         for name, _ in parts:
@@ -119,6 +125,8 @@ class ErrorFeedback(Reducer):
 
 
 class PowerSGD(ErrorFeedback):
+    exchanges = 2  # P, then Q
+
     def __init__(self, rank: int, start: int):
         super().__init__(start)
         self.rank, self.name = rank, f"powersgd_rank{rank}"

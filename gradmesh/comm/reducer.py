@@ -41,6 +41,10 @@ class Reducer:
         """Bytes of `tensor` as this reducer puts it on the wire (compressed ones: fewer)."""
         return tensor.numel() * tensor.element_size()
 
+    def collectives(self, tensor: torch.Tensor, parts=None) -> int:
+        """Collective calls one reduction of `tensor` makes (each pays the link's start-up latency)."""
+        return 1
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What a checkpoint must keep for a resumed run to reduce exactly as this one (this rank's)."""
         return {}
@@ -57,6 +61,9 @@ class Wrapper(Reducer):
     @property
     def carries_nonfinite(self) -> bool:  # type: ignore[override]  # a wrapper answers for the reducer it wraps
         return self.inner.carries_nonfinite
+
+    def collectives(self, tensor, parts=None):
+        return self.inner.collectives(tensor, parts)
 
     def state_dict(self):
         return self.inner.state_dict()

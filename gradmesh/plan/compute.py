@@ -83,7 +83,7 @@ def _activation_bytes(workload, batch) -> float:
     return meter.per_sample or 0.0
 
 
-def _boundaries(workload, batch) -> tuple[float, int]:
+def unit_boundaries(workload, batch) -> tuple[float, int]:
     """(largest bytes per sample handed from one pipeline unit to the next, inner units)."""
     from gradmesh.parallel.pipeline_units import pipeline_units
 
@@ -154,7 +154,7 @@ def measure_compute(cfg: Config, threads: int, sizes: tuple[int, ...]) -> Comput
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         fixed, per_sample = _fit({n: _median_pass_s(workload, batch) for n, batch in batches.items()})
         smallest = batches[min(sizes)]
-        boundary, layers = _boundaries(workload, smallest)
+        boundary, layers = unit_boundaries(workload, smallest)
         params = sum(p.numel() for p in workload.model.parameters())
         return ComputeProfile(
             threads=threads,

@@ -10,8 +10,9 @@ bytes per kind), compute from the measured model (`gradmesh.plan.compute`).
 
 What the model leaves out, on purpose: overlap of gradient reduction with backward on CPU
 (gloo's threads compete with the workers' own for the same cores, so reduction is counted in
-full; on CUDA, half of backward can hide it, `OVERLAP_CUDA`), compression's own arithmetic, and
-the Python of the training loop (a fixed cost per step, calibrated separately as `loop_s`).
+full; on CUDA, half of backward can hide it, `OVERLAP_CUDA`), compression's own arithmetic
+(calibrated separately, `gradmesh.plan.arithmetic`), and the Python of the training loop (a fixed
+cost per step, calibrated separately as the overhead "loop").
 """
 
 import math
@@ -30,6 +31,11 @@ GPU here to measure it)."""
 class Network(Protocol):
     def time(self, kind: str, nbytes: float, ranks: int, calls: int = 1) -> float:
         """Seconds for `calls` collectives of `kind` moving `nbytes` in all over `ranks` ranks."""
+        ...
+
+    def along(self, stride: int) -> "Network":
+        """The links as a group of ranks `stride` apart sees them (a mesh axis with `stride` ranks
+        of later axes between its members: across nodes, where a node holds fewer than that)."""
         ...
 
 
@@ -68,6 +74,8 @@ class Step:
     """Parameters whose gradients and optimizer state this rank holds, before the data axis."""
     grad_bytes_per_param: float = FP32
     """On the wire, after compression."""
+    grad_calls: int = 1
+    """Collectives one reduction of a gradient bucket makes (a low-rank method makes more)."""
     compute_share: float = 1.0
     """Share of a whole-model pass this rank computes (model parallelism splits it)."""
     in_flight: float = 1.0
@@ -84,10 +92,15 @@ class Step:
 
     def reduce_gradients(self, kind: str, ranks: int, calls: int = 1) -> float:
         """Exposed seconds of one reduction of this rank's gradients."""
-        seconds = self.network.time(kind, self.params * self.grad_bytes_per_param, ranks, calls)
+        seconds = self.network.time(kind, self.params * self.grad_bytes_per_param, ranks, calls * self.grad_calls)
         if self.options.cuda:
             seconds = max(seconds - OVERLAP_CUDA * self.pass_s() * 2 / 3, 0.0)  # backward ~ 2/3 of a pass
         return seconds
+
+    @property
+    def reduced_share(self) -> float:
+        """Share of the model's gradients this rank reduces (model parallelism holds fewer)."""
+        return self.params / max(self.compute.params, 1)
 
     def optimizer(self, params: float) -> None:
         self.add("optimizer", params * self.compute.optimizer_s_per_param)
@@ -163,7 +176,10 @@ def hybrid(step: Step, ranks: int) -> None:
     options = step.options
     workers = max(ranks - options.servers, 1)
     dense = step.params - options.table_params
-    step.add("comm", step.network.time("all_reduce", dense * step.grad_bytes_per_param, workers, _buckets(dense)))
+    step.add(
+        "comm",
+        step.network.time("all_reduce", dense * step.grad_bytes_per_param, workers, _buckets(dense) * step.grad_calls),
+    )
     rows = min(step.micro_samples * step.micro * options.rows_per_sample, options.table_rows)
     row_bytes = rows * (options.row_bytes + 8)
     step.add("comm", 2 * workers * step.network.time("p2p", row_bytes / options.servers, 2))

@@ -58,6 +58,21 @@ def bytes_moved(kind: str, nbytes: float, world: int) -> float:
     return factors[kind] * nbytes
 
 
+def latency_steps(kind: str, world: int) -> int:
+    """Start-ups one `kind` call pays in sequence over `world` ranks: a ring's steps (all-reduce
+    2(N-1), all-gather and reduce-scatter N-1), a binomial tree's levels (broadcast), one message."""
+    if world <= 1:
+        return 0
+    steps = {
+        "all_reduce": 2 * (world - 1),
+        "all_gather": world - 1,
+        "reduce_scatter": world - 1,
+        "broadcast": math.ceil(math.log2(world)),
+        "p2p": 1,
+    }
+    return steps[kind]
+
+
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """(alpha, beta) >= 0 minimising the relative squared error of alpha + x·beta against t, over
     (x, t) points (x: bytes moved, t: seconds > 0).

@@ -27,15 +27,17 @@ STEPS = 8
 """Steps per run; the median of the second half is kept (the first carry one-off costs)."""
 
 
-def one_worker_step(cfg: configuration.Config, strategy: str, batch: int, threads: int) -> tuple[float, int] | None:
-    """(median step seconds, peak memory bytes) of `strategy` on one worker; None where it cannot
-    run on one."""
+def trial_step(
+    cfg: configuration.Config, strategy: str, batch: int, threads: int, nproc: int = 1
+) -> tuple[float, int] | None:
+    """(median step seconds, peak memory bytes) of `strategy` on `nproc` local workers of
+    `threads` threads, global batch `batch`; None where it cannot run so."""
     with tempfile.TemporaryDirectory(prefix="gradmesh-overhead-") as tmp:
         config = Path(tmp) / "config.toml"
         config.write_text(calibration_config(cfg).to_toml())
         run_dir = Path(tmp) / "run"
         cmd = [
-            sys.executable, "-m", "gradmesh", "train", "--config", str(config), "--nproc", "1",
+            sys.executable, "-m", "gradmesh", "train", "--config", str(config), "--nproc", str(nproc),
             "--strategy", strategy, "--mesh", "", "--max-steps", str(STEPS), "--global-batch-size", str(batch),
             "--grad-accum", "1", "--compression", "none", "--run-dir", str(run_dir), "--quiet",
             "--set", "train.sample_chars=0", "--set", "train.eval_batches=1",
@@ -61,7 +63,7 @@ def measure_overheads(cfg: configuration.Config, profile: ComputeProfile, batch:
     for row in registry.ROWS:
         if row.has_servers:  # servers need a rank of their own: modelled, not measured on one
             continue
-        measured = one_worker_step(cfg, row.name, batch, profile.threads)
+        measured = trial_step(cfg, row.name, batch, profile.threads)
         if measured is None:
             continue
         found[row.name] = measured[0] - modelled

@@ -17,10 +17,11 @@ from gradmesh import config as configuration
 from gradmesh.optim import optimizer_slots
 from gradmesh.parallel import registry
 from gradmesh.plan import costs
+from gradmesh.plan.arithmetic import method_of
 from gradmesh.plan.candidates import Candidate, data_ranks
 from gradmesh.plan.compute import ComputeProfile
 
-SHARED_PARTS = ("compute", "bubble", "optimizer", "server", "loop", "framework")
+SHARED_PARTS = ("compute", "bubble", "optimizer", "server", "loop", "framework", "compress")
 """Parts that run on the cores (and slow down when the workers oversubscribe them)."""
 BOTTLENECK_WORDS = {
     "compute": "compute-bound",
@@ -30,6 +31,7 @@ BOTTLENECK_WORDS = {
     "server": "server-bound",
     "loop": "the training loop's own work",
     "framework": "the strategy's machinery",
+    "compress": "compression's arithmetic",
 }
 
 
@@ -78,18 +80,20 @@ class Prediction:
         return f"{BOTTLENECK_WORDS.get(part, part)} ({self.parts[part] / self.step_s:.0%})"
 
 
-def wire_bytes_per_param(compression: str, shapes: dict[str, tuple[int, ...]]) -> float:
-    """Bytes per gradient element on the wire under `compression`, in its steady state."""
+def wire_of(compression: str, shapes: dict[str, tuple[int, ...]]) -> tuple[float, int]:
+    """(bytes per gradient element on the wire, collective calls per reduction) under
+    `compression`, in its steady state."""
     from gradmesh.comm.compress import reducer_for
 
     reducer = reducer_for(compression)
     params = sum(math.prod(s) for s in shapes.values())
     if reducer is None or not params:
-        return costs.FP32
+        return costs.FP32, 1
     if hasattr(reducer, "seen"):
         reducer.seen = {name: 1 << 30 for name in shapes}  # past any plain start-up steps
     flat = torch.empty(params, device="meta")
-    return reducer.wire_bytes(flat, [(name, torch.Size(s)) for name, s in shapes.items()]) / params
+    parts = [(name, torch.Size(s)) for name, s in shapes.items()]
+    return reducer.wire_bytes(flat, parts) / params, reducer.collectives(flat, parts)
 
 
 def _model_size(cfg: configuration.Config, profile: ComputeProfile, options: costs.Options) -> registry.ModelSize:
@@ -116,6 +120,19 @@ class Inputs:
     """The training loop's seconds per step ("loop") and each strategy's per micro-batch pass."""
 
 
+def apply_rows(step: costs.Step, plan: registry.Plan) -> costs.Step:
+    """The plan's rows shape `step` in composition order, each over its axis's group of ranks as
+    the row-major mesh places it (later axes contiguous); the compute they leave is added last."""
+    network, axes = step.network, list(plan.mesh)
+    for row in plan.rows:
+        assert row.cost is not None, row.name  # every row has a cost function (tests/test_architecture.py)
+        step.network = network.along(math.prod(plan.mesh[axis] for axis in axes[axes.index(row.axis) + 1 :]))
+        registry.load(row.cost)(step, plan.mesh[row.axis])
+    step.network = network
+    step.add("compute", step.micro * step.pass_s())
+    return step
+
+
 def _step(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> costs.Step:
     """One rank's step as the plan's rows shape it, compute added last."""
     profile = inputs.profiles[inputs.machine.threads(inputs.machine.nproc)]
@@ -127,13 +144,13 @@ def _step(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> costs.St
         micro_samples=inputs.cfg.train.global_batch_size / (workers * candidate.grad_accum),
         micro=candidate.grad_accum,
         params=profile.params,
-        grad_bytes_per_param=wire_bytes_per_param(candidate.compression, inputs.shapes),
     )
-    for row in plan.rows:
-        assert row.cost is not None, row.name  # every row has a cost function (tests/test_architecture.py)
-        registry.load(row.cost)(step, plan.mesh[row.axis])
-    step.add("compute", step.micro * step.pass_s())
-    step.add("loop", inputs.overheads.get("loop", 0.0))
+    step.grad_bytes_per_param, step.grad_calls = wire_of(candidate.compression, inputs.shapes)
+    apply_rows(step, plan)
+    step.add("compress", inputs.overheads.get(method_of(candidate.compression), 0.0) * step.reduced_share)
+    step.add(
+        "loop", inputs.overheads.get("loop", 0.0) + inputs.overheads.get("world_loop", 0.0) * (inputs.machine.world > 1)
+    )
     step.add("framework", candidate.grad_accum * sum(inputs.overheads.get(row.name, 0.0) for row in plan.rows))
     return step
 
