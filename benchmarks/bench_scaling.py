@@ -28,7 +28,7 @@ from gradmesh.parallel import registry
 from gradmesh.plan import costs
 from gradmesh.plan.compute import ComputeProfile
 from gradmesh.plan.flops import update_s_per_param
-from gradmesh.plan.hardware import DEVICES, GB, Cluster, Device, Link
+from gradmesh.plan.hardware import DEVICES, GB, Device, Link, cluster
 from gradmesh.plan.predict import apply_rows
 
 HERE = Path(__file__).parent
@@ -92,7 +92,7 @@ def step_s(work: Workload, gpus: int) -> float:
     """One step of `work` on `gpus` GPUs of its hardware: the registry rows' cost functions."""
     device: Device = work.hardware["device"]
     per_node = min(work.hardware["per_node"], gpus)
-    cluster = Cluster(device=device, nodes=math.ceil(gpus / per_node), nproc=per_node, inter=work.hardware["inter"])
+    nodes = cluster(device, math.ceil(gpus / per_node), per_node, work.hardware["inter"])
     peak = device.peak_half if work.half else device.peak_fp32
     profile = ComputeProfile(
         threads=1, fixed_s=0.0, per_sample_s=3 * work.forward_flops / (peak * device.efficiency),
@@ -103,7 +103,7 @@ def step_s(work: Workload, gpus: int) -> float:
     tp = min(work.tp, gpus)
     mesh = {"dp": gpus // tp, "tp": tp} if tp > 1 else {"dp": gpus}
     options = costs.Options(cuda=True, tp_params=int(work.params) if tp > 1 else 0)
-    step = costs.Step(compute=profile, network=cluster, options=options, micro_samples=work.batch, micro=1,
+    step = costs.Step(compute=profile, network=nodes, options=options, micro_samples=work.batch, micro=1,
                       params=work.params, grad_bytes_per_param=2 if work.half else 4)  # fmt: skip
     return sum(apply_rows(step, registry.resolve("ddp", mesh)).parts.values())
 

@@ -14,6 +14,7 @@ from gradmesh.config import build
 from gradmesh.parallel import registry
 from gradmesh.plan import costs
 from gradmesh.plan.hardware import DEVICES, Cluster, Link, parse_link
+from gradmesh.plan.hardware import cluster as make_cluster
 from gradmesh.plan.predict import apply_rows
 
 A100 = DEVICES["a100-80g"]
@@ -22,7 +23,7 @@ N = 1e8
 
 
 def _cluster(nodes: int = 4, nproc: int = 8) -> Cluster:
-    return Cluster(device=A100, nodes=nodes, nproc=nproc, inter=NET)
+    return make_cluster(A100, nodes, nproc, NET)
 
 
 def test_a_group_inside_one_node_uses_only_the_intra_link():
@@ -136,7 +137,7 @@ def test_64_nodes_of_8_gpus_outrun_one_node_at_less_than_perfect_efficiency():
     cfg = build([{"train": {"global_batch_size": 8192}}])
     best = {}
     for nodes in (1, 64):
-        cluster = Cluster(device=A100, nodes=nodes, nproc=8, inter=A100.inter)
+        cluster = make_cluster(A100, nodes, 8, A100.inter)
         best[nodes] = hypothetical_plan(cfg, cluster_machine(cluster, None, None), cluster, 10**6).ranked[0]
     assert best[64].samples_per_s > 2 * best[1].samples_per_s
     assert 0 < best[64].efficiency < best[1].efficiency < 1

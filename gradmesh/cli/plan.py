@@ -7,6 +7,7 @@ volume. Writes the whole prediction to `plan.json` (`--out`).
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from gradmesh.cli.train_options import add_job_options
 from gradmesh.errors import UsageError
 from gradmesh.files import atomic_write
 from gradmesh.paths import checked
-from gradmesh.plan.hardware import DEVICES, LINK_SYNTAX, Cluster, device, parse_link
+from gradmesh.plan.hardware import DEVICES, LINK_SYNTAX, Cluster, Link, cluster, device, parse_link
 
 MARK = "gradmesh plan"
 """plan.json's "written_by": a file without it is not ours to replace."""
@@ -55,7 +56,10 @@ def add_parser(subparsers) -> None:
         "(nothing is calibrated or started; --nproc defaults to the node's GPUs)",
     )
     launch.add_argument(
-        "--link", metavar="BW[,LATENCY]", help=f"with --hardware, the network between nodes: {LINK_SYNTAX}"
+        "--link",
+        metavar="BW[,LATENCY]",
+        help=f"the network between nodes (with --nodes 2 or more: hosts like this one; with --hardware: "
+        f"the cluster's): {LINK_SYNTAX}",
     )
     parser.set_defaults(run_dir=None, resume=None)
 
@@ -87,8 +91,6 @@ def _check_out(text: str) -> Path:
 def _cluster(args: argparse.Namespace) -> Cluster | None:
     """The hypothetical cluster `--hardware` asks for (and --nproc's default from it); None without."""
     if args.hardware is None:
-        if args.link is not None:
-            raise UsageError(f"--link {args.link} describes a hypothetical cluster; give --hardware NAME with it")
         return None
     gpu = device(args.hardware)
     args.nproc = args.nproc or gpu.per_node
@@ -97,40 +99,59 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
     nodes, args.nnodes = 1 if args.nnodes is None else args.nnodes, None
     if nodes < 1:
         raise UsageError(f"--nodes must be >= 1, got {nodes}")
-    return Cluster(device=gpu, nodes=nodes, nproc=args.nproc, inter=inter)
+    return cluster(gpu, nodes, args.nproc, inter)
+
+
+HOST_LATENCY_S = 50e-6
+"""An Ethernet hop between hosts, where `--link` gives no latency (an assumption)."""
+
+
+def _hosts(args: argparse.Namespace) -> tuple[int, Link] | None:
+    """`--link` without `--hardware`: (hosts, the network between them), each host calibrated as
+    this machine; None without."""
+    if args.link is None:
+        return None
+    nodes, args.nnodes = args.nnodes or 1, None  # the hosts are the plan's, not a launch's (no rendezvous)
+    if nodes < 2:
+        raise UsageError(f"--link {args.link} is the network between nodes; give --nodes 2 or more with it")
+    return nodes, parse_link(args.link, Link(bandwidth=1.0, latency_s=HOST_LATENCY_S))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.memory_per_rank is not None:
         args.set = [*args.set, f"launch.memory_per_rank_mb={args.memory_per_rank}"]
-    cluster = _cluster(args)
+    hypothetical = _cluster(args)
+    hosts = None if hypothetical is not None else _hosts(args)
     cfg = resolve_config(args)
     out = _check_out(args.out)
     samples = _volume(args, cfg)
     from gradmesh.cli.plan_table import print_plan, to_json
 
-    if cluster is not None:
-        planned, machine = _hypothetical(args, cfg, cluster, samples)
+    if hypothetical is not None:
+        planned, machine = _hypothetical(args, cfg, hypothetical, samples)
     else:
-        planned, machine = _calibrated(args, cfg, samples)
+        planned, machine = _calibrated(args, cfg, samples, hosts)
     print_plan(planned, machine, args.top or 12)
     atomic_write(out, json.dumps({"written_by": MARK, **to_json(planned, machine)}, indent=1))
     print(f"wrote {os.fspath(out)}", file=sys.stderr)
     return 0
 
 
-def _calibrated(args: argparse.Namespace, cfg: configuration.Config, samples: int):
-    """The plan for this machine, from its calibration (measured now, or cached)."""
+def _calibrated(args: argparse.Namespace, cfg: configuration.Config, samples: int, hosts: tuple[int, Link] | None):
+    """The plan for this machine, from its calibration (measured now, or cached); with `hosts`,
+    for that many hosts like it joined by the given network."""
     from gradmesh.cli.plan_table import machine_for
     from gradmesh.plan.planner import plan
 
     device, nproc = launch_shape(cfg.launch)
     machine = machine_for(cfg, nproc, device, args.price_per_hour)
+    if hosts is not None:
+        machine = dataclasses.replace(machine, nnodes=hosts[0])
     print(
         f"gradmesh plan: calibrating {cfg.model.name} on {nproc} worker(s) (cached after the first time)",
         file=sys.stderr,
     )
-    return plan(cfg, machine, samples, refresh=args.refresh), machine
+    return plan(cfg, machine, samples, refresh=args.refresh, inter=None if hosts is None else hosts[1]), machine
 
 
 def _hypothetical(args: argparse.Namespace, cfg: configuration.Config, cluster: Cluster, samples: int):

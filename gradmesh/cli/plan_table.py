@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gradmesh import config as configuration
+from gradmesh import env
 from gradmesh.plan.hardware import Cluster
 from gradmesh.plan.planner import Planned
 from gradmesh.plan.predict import Machine, Prediction
@@ -25,6 +26,7 @@ def machine_for(cfg: configuration.Config, nproc: int, device: str, price: float
         memory_per_rank=None if have is None else have / sharing,
         cuda=device == "cuda",
         price_per_hour=price,
+        omp_threads=env.omp_threads(),
     )
 
 
@@ -83,6 +85,8 @@ def print_plan(planned: Planned, machine: Machine, top: int) -> None:
         console.print("[red]no candidate fits in memory[/red]: the table shows by how much each misses")
     for candidate, reason in planned.refused:
         console.print(f"[dim]not a candidate: {candidate.label}: {reason}[/dim]")
+    if planned.hosts is not None:
+        console.print(f"[dim]hosts: {planned.hosts.describe()}; each host as this machine is calibrated (--link)[/dim]")
     if planned.hardware is not None:
         console.print(f"[dim]hypothetical: {planned.hardware.describe()}; nothing calibrated (--hardware)[/dim]")
         return
@@ -123,6 +127,9 @@ def to_json(planned: Planned, machine: Machine) -> dict:
         "single_worker_step_s": planned.single_step_s,
         "calibration": None if planned.cache is None else str(planned.cache),
         "hardware": None if planned.hardware is None else _hardware(planned.hardware),
+        "link": None
+        if planned.hosts is None
+        else {"nodes": planned.hosts.nodes, **dataclasses.asdict(planned.hosts.inter)},
         "ranked": [entry(p) for p in planned.ranked],
         "refused": [{"label": c.label, "reason": why} for c, why in planned.refused],
     }

@@ -21,6 +21,7 @@ anything heavy is imported.
 import math
 import re
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from gradmesh.errors import UsageError
 from gradmesh.plan.link import bytes_moved, latency_steps
@@ -139,28 +140,46 @@ def parse_link(text: str, default: Link) -> Link:
     return Link(bandwidth=speed, latency_s=delay)
 
 
+class Within(Protocol):
+    """What a node's own links answer (`costs.Network`'s `time`)."""
+
+    def time(self, kind: str, nbytes: float, ranks: int, calls: int = 1) -> float: ...
+
+
 @dataclass(frozen=True, kw_only=True)
-class Cluster:
-    """`costs.Network` of `nodes` nodes of `nproc` GPUs each: collectives run hierarchically.
+class OneLink:
+    """The links inside a node as one Hockney link (a device's NVLink or PCIe)."""
+
+    link: Link
+
+    def time(self, kind: str, nbytes: float, ranks: int, calls: int = 1) -> float:
+        return _phase(self.link, kind, nbytes, ranks, calls)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Nodes:
+    """`costs.Network` of `nodes` nodes of `nproc` ranks each: collectives run hierarchically.
 
     A group of ranks `stride` apart (a row-major mesh: later axes are contiguous, so a model
     axis sits inside a node) has `local` members on each node it spans. Its collective runs within
-    each node over the intra link, then across its `spanned` nodes over the node's network, then
-    within the node again (NCCL's and Horovod's hierarchical all-reduce: reduce-scatter, all-reduce
-    of the shard across nodes, all-gather). Every group of the axis runs at once, so a node's
-    network carries the cross-node bytes of all the groups with members on it. Each phase is
-    Hockney's alpha-beta: `latency_steps` start-ups plus the ring's `bytes_moved` over the link."""
+    each node over the node's own links (`within`), then across its `spanned` nodes over the
+    node's network, then within the node again (NCCL's and Horovod's hierarchical all-reduce:
+    reduce-scatter, all-reduce of the shard across nodes, all-gather). Every group of the axis runs
+    at once, so a node's network carries the cross-node bytes of all the groups with members on
+    it. Across nodes, Hockney's alpha-beta: `latency_steps` start-ups plus the ring's
+    `bytes_moved` over the link."""
 
-    device: Device
+    within: Within
+    """Inside a node: a device's links (`OneLink`), or this machine's calibration."""
     nodes: int
     nproc: int
     inter: Link
     """Between nodes (the device's default, or `--link`)."""
     stride: int = 1
 
-    def along(self, stride: int) -> "Cluster":
-        """The same cluster seen by groups whose ranks are `stride` apart."""
-        return Cluster(device=self.device, nodes=self.nodes, nproc=self.nproc, inter=self.inter, stride=stride)
+    def along(self, stride: int) -> "Nodes":
+        """The same nodes seen by groups whose ranks are `stride` apart."""
+        return replace(self, stride=stride)
 
     def placement(self, ranks: int) -> tuple[int, int]:
         """(members on each node, nodes spanned) of one group of `ranks`."""
@@ -172,13 +191,27 @@ class Cluster:
         if ranks <= 1 or nbytes <= 0:
             return 0.0
         local, spanned = self.placement(ranks)
-        within = _phase(self.device.intra, kind, nbytes, local, calls)
+        within = self.within.time(kind, nbytes, local, calls) if local > 1 else 0.0
         # every group of this axis with members on a node crosses to the others through its one network
         across = _phase(self.inter, kind, nbytes * self.nproc / local, spanned, calls)
         return within + across
 
     def describe(self) -> str:
+        return f"{self.nodes} x {self.nproc} ranks, {self.inter.describe()} between nodes"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster(Nodes):
+    """Nodes of a device from the table, its links inside each node."""
+
+    device: Device
+
+    def describe(self) -> str:
         return f"{self.nodes} x {self.nproc} {self.device.name}, {self.inter.describe()} between nodes"
+
+
+def cluster(gpu: Device, nodes: int, nproc: int, inter: Link) -> Cluster:
+    return Cluster(within=OneLink(link=gpu.intra), nodes=nodes, nproc=nproc, inter=inter, device=gpu)
 
 
 def _phase(link: Link, kind: str, nbytes: float, members: int, calls: int) -> float:

@@ -16,7 +16,7 @@ from gradmesh.plan.arithmetic import measure_compression
 from gradmesh.plan.calibration import Calibration, cached, calibration_place
 from gradmesh.plan.candidates import COMPRESSIONS, Candidate, candidates
 from gradmesh.plan.compute import ComputeProfile, co_running, measure_compute
-from gradmesh.plan.hardware import Cluster
+from gradmesh.plan.hardware import Cluster, Link, Nodes
 from gradmesh.plan.link import measure_link
 from gradmesh.plan.overhead import measure_overheads, trial_step
 from gradmesh.plan.predict import Inputs, Machine, Prediction, predict, settle
@@ -34,6 +34,8 @@ class Planned:
     cached: bool = False
     hardware: Cluster | None = None
     """The hypothetical cluster predicted for, in place of a calibration."""
+    hosts: Nodes | None = None
+    """Hosts like this one joined by a given network (`--link` without `--hardware`)."""
 
 
 def calibrate(cfg: configuration.Config, machine: Machine, refresh: bool = False) -> tuple[Calibration, Path, bool]:
@@ -115,10 +117,20 @@ def _options(cfg: configuration.Config, machine: Machine) -> costs.Options:
     )
 
 
-def plan(cfg: configuration.Config, machine: Machine, samples: int, refresh: bool = False) -> Planned:
-    """Every candidate predicted and ranked; `samples`: the data volume to train."""
+def plan(
+    cfg: configuration.Config, machine: Machine, samples: int, refresh: bool = False, inter: Link | None = None
+) -> Planned:
+    """Every candidate predicted and ranked; `samples`: the data volume to train. `inter`: the
+    network between `machine.nnodes` hosts, each calibrated as this one (else the calibrated link
+    stands for every group)."""
     found, path, cached = calibrate(cfg, machine, refresh)
-    return _ranked(cfg, machine, samples, found.compute, found, found.overheads, cache=path, cached=cached)
+    network: costs.Network = found
+    hosts = None
+    if inter is not None:
+        network = hosts = Nodes(within=found, nodes=machine.nnodes, nproc=machine.nproc, inter=inter)
+    return _ranked(
+        cfg, machine, samples, found.compute, network, found.overheads, cache=path, cached=cached, hosts=hosts
+    )
 
 
 def hypothetical_plan(cfg: configuration.Config, machine: Machine, cluster: Cluster, samples: int) -> Planned:

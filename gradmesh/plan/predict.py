@@ -47,13 +47,16 @@ class Machine:
     cuda: bool = False
     price_per_hour: float | None = None
     """Per worker (rank)."""
+    omp_threads: int | None = None
+    """The user's OMP_NUM_THREADS, which the launcher gives every worker instead of a share."""
 
     @property
     def world(self) -> int:
         return self.nproc * self.nnodes
 
     def threads(self, local: int) -> int:
-        return max(1, self.cores // local)
+        """A worker's threads when `local` share the machine, as the launcher gives them."""
+        return self.omp_threads or max(1, self.cores // local)
 
 
 @dataclass
