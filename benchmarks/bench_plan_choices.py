@@ -105,23 +105,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default=str(HERE / "results" / "plan-choices.json"))
+    parser.add_argument("--only", choices=("link", "rows"), help="one scenario (default: both)")
     args = parser.parse_args()
-    if Hosts.unavailable():
+    if args.only != "rows" and Hosts.unavailable():
         raise SystemExit(f"the 200 Mbit/s scenario needs network namespaces: {Hosts.unavailable()}")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, XDG_CACHE_HOME=tmp)  # calibrations of this run's own
         os.environ["XDG_CACHE_HOME"] = tmp  # and the launches find them (their predicted rows)
-        ranked = planned(["--nodes", "2", "--nproc", "1", "--link", "200mbit", *WIDE], Path(tmp) / "a.json",
-                         dict(env, OMP_NUM_THREADS="1"))
-        results.append(choice("gpt-char 4x wide, 2 hosts, 200 Mbit/s", ranked,
-                              ["--strategy ddp", "--strategy ddp --compression fp16",
-                               "--strategy ddp --compression powersgd:rank=4"],
-                              on_two_hosts, lambda c: c["compression"] != "none", args))
-        ranked = planned(["--nproc", "3", *ROWS], Path(tmp) / "b.json", env)
-        results.append(choice("recsys, 10^6 rows per table, 3 ranks", ranked,
-                              ["--strategy ddp", "--strategy ps", "--strategy hybrid"],
-                              here, lambda c: c["strategy"] in ("hybrid", "ps"), args))
+        if args.only != "rows":
+            ranked = planned(["--nodes", "2", "--nproc", "1", "--link", "200mbit", *WIDE], Path(tmp) / "a.json",
+                             dict(env, OMP_NUM_THREADS="1"))
+            results.append(choice("gpt-char 4x wide, 2 hosts, 200 Mbit/s", ranked,
+                                  ["--strategy ddp", "--strategy ddp --compression fp16",
+                                   "--strategy ddp --compression powersgd:rank=4"],
+                                  on_two_hosts, lambda c: c["compression"] != "none", args))
+        if args.only != "link":
+            ranked = planned(["--nproc", "3", *ROWS], Path(tmp) / "b.json", env)
+            results.append(choice("recsys, 10^6 rows per table, 3 ranks", ranked,
+                                  ["--strategy ddp", "--strategy ps", "--strategy hybrid"],
+                                  here, lambda c: c["strategy"] in ("hybrid", "ps"), args))
     show(results)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1))
 

@@ -113,7 +113,10 @@ def _hosts(args: argparse.Namespace) -> tuple[int, Link] | None:
         return None
     nodes, args.nnodes = args.nnodes or 1, None  # the hosts are the plan's, not a launch's (no rendezvous)
     if nodes < 2:
-        raise UsageError(f"--link {args.link} is the network between nodes; give --nodes 2 or more with it")
+        raise UsageError(
+            f"--link {args.link} is the network between nodes; give --nodes 2 or more with it "
+            "(hosts like this one), or --hardware NAME"
+        )
     return nodes, parse_link(args.link, Link(bandwidth=1.0, latency_s=HOST_LATENCY_S))
 
 

@@ -23,7 +23,7 @@ from gradmesh.plan.compute import ComputeProfile
 from gradmesh.plan.link import LinkProfile, bytes_moved
 from gradmesh.plan.predict import Machine
 
-FORMAT = 5
+FORMAT = 7
 
 
 @dataclass(frozen=True)

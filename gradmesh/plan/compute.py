@@ -45,6 +45,12 @@ class ComputeProfile:
     """The largest activation passed between two pipeline units, per sample (0: not cut-able)."""
     layers: int = 1
     """Pipeline units between the first and the last (GPT's blocks)."""
+    sweep_s_per_param: float = 0.0
+    """A pass over every gradient outside the arithmetic (flattening into a bucket, the clipping
+    norm), per parameter: the part of the loop's own work that grows with the gradients a rank holds."""
+    table_grad_s: float = 0.0
+    """Seconds of each pass spent on the sparse tables' whole-table gradients: what a worker whose
+    tables live on parameter servers does not do (it sends the rows it looked up instead)."""
 
     def pass_s(self, samples: float) -> float:
         """Forward and backward of one micro-batch of `samples`."""
@@ -167,9 +173,44 @@ def measure_compute(cfg: Config, threads: int, sizes: tuple[int, ...]) -> Comput
             base_bytes=base,
             boundary_bytes_per_sample=boundary,
             layers=layers,
+            sweep_s_per_param=_sweep_s_per_param(workload),
+            table_grad_s=_table_grad_s(workload, smallest),
         )
     finally:
         torch.set_num_threads(saved)
+
+
+def _sweep_s_per_param(workload) -> float:
+    """DDP's copy of the gradients into its buckets and the clip's norm, timed on the gradients the
+    passes above left (a stand-in for every whole-gradient pass of a step besides the optimizer)."""
+    grads = [p.grad for p in workload.model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    times = []
+    for _ in range(REPEATS + 1):
+        started = time.perf_counter()
+        torch.cat([g.reshape(-1) for g in grads])
+        torch.nn.utils.clip_grad_norm_(workload.model.parameters(), float("inf"))
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:]) / sum(g.numel() for g in grads)
+
+
+def _table_grad_s(workload, batch) -> float:
+    """A pass with the sparse tables' weights held fixed, against one with them trained."""
+    from gradmesh.parallel.ps import sparse_tables
+
+    tables = [table.weight for _, table in sparse_tables(workload.model)]
+    if not tables:
+        return 0.0
+    whole = _median_pass_s(workload, batch)
+    for weight in tables:
+        weight.requires_grad_(False)
+        weight.grad = None
+    try:
+        return max(whole - _median_pass_s(workload, batch), 0.0)
+    finally:
+        for weight in tables:
+            weight.requires_grad_(True)
 
 
 def _co_running_work(threads: int, results) -> None:

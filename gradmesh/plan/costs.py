@@ -80,6 +80,8 @@ class Step:
     """Share of a whole-model pass this rank computes (model parallelism splits it)."""
     in_flight: float = 1.0
     """Micro-batches whose activations are alive at once."""
+    tables_remote: bool = False
+    """The sparse tables live on servers: a pass computes no whole-table gradients."""
     parts: dict[str, float] = field(default_factory=dict)
 
     def add(self, part: str, seconds: float) -> None:
@@ -88,7 +90,8 @@ class Step:
     def pass_s(self) -> float:
         """One micro-batch's forward and backward on this rank."""
         c = self.compute
-        return (c.fixed_s + c.per_sample_s * self.micro_samples) * self.compute_share
+        fixed = c.fixed_s - (c.table_grad_s if self.tables_remote else 0.0)
+        return (max(fixed, 0.0) + c.per_sample_s * self.micro_samples) * self.compute_share
 
     def reduce_gradients(self, kind: str, ranks: int, calls: int = 1) -> float:
         """Exposed seconds of one reduction of this rank's gradients."""
@@ -160,14 +163,19 @@ def pipeline(step: Step, stages: int) -> None:
 
 
 def ps(step: Step, ranks: int) -> None:
-    """Each worker pushes its whole gradient to the servers and pulls the parameters back; a
-    server takes every worker's share of its shard in turn and steps once per step (sync)."""
-    servers = step.options.servers
-    workers = max(ranks - servers, 1)
-    shard = FP32 * step.params / servers
+    """Each worker pushes its dense gradient whole to the servers and pulls the parameters back, and
+    a sparse table's rows as touched (hybrid's way); a server takes every worker's share of its
+    shard in turn and steps once per step (sync)."""
+    options = step.options
+    servers, workers = options.servers, max(ranks - options.servers, 1)
+    dense = step.params - options.table_params
+    shard = FP32 * dense / servers
     step.add("comm", 2 * workers * step.network.time("p2p", shard, 2))
-    step.add("server", workers * shard / FP32 * step.compute.add_s_per_param)  # summing the pushes
-    step.optimizer(step.params / servers)
+    touched = _touched_rows(step, workers)
+    step.add(
+        "server", workers * (shard / FP32 + touched * options.row_bytes / FP32 / servers) * step.compute.add_s_per_param
+    )
+    step.optimizer((dense + touched * options.row_bytes / FP32) / servers)
 
 
 def hybrid(step: Step, ranks: int) -> None:
@@ -176,11 +184,20 @@ def hybrid(step: Step, ranks: int) -> None:
     options = step.options
     workers = max(ranks - options.servers, 1)
     dense = step.params - options.table_params
-    step.add(
-        "comm",
-        step.network.time("all_reduce", dense * step.grad_bytes_per_param, workers, _buckets(dense) * step.grad_calls),
-    )
+    calls = _buckets(dense) * step.grad_calls
+    step.add("comm", step.network.time("all_reduce", dense * step.grad_bytes_per_param, workers, calls))
+    touched = _touched_rows(step, workers)
+    step.optimizer(dense + touched * options.row_bytes / FP32)
+
+
+def _touched_rows(step: Step, workers: int) -> float:
+    """Rows of the sparse tables a step looks up (at most all of them), their ids and values pushed
+    to the servers and pulled back by every worker; the tables' whole gradients are then no
+    worker's work."""
+    options = step.options
+    if not options.table_params:
+        return 0.0
+    step.tables_remote = True
     rows = min(step.micro_samples * step.micro * options.rows_per_sample, options.table_rows)
-    row_bytes = rows * (options.row_bytes + 8)
-    step.add("comm", 2 * workers * step.network.time("p2p", row_bytes / options.servers, 2))
-    step.optimizer(dense + rows * options.row_bytes / FP32)
+    step.add("comm", 2 * workers * step.network.time("p2p", rows * (options.row_bytes + 8) / options.servers, 2))
+    return rows

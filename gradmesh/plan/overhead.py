@@ -72,4 +72,6 @@ def measure_overheads(cfg: configuration.Config, profile: ComputeProfile, batch:
             base = max(measured[1] - held - profile.activation_bytes_per_sample * batch, base)
     loop = max(found.get(first.name, 0.0), 0.0)
     overheads = {name: max(extra - loop, 0.0) for name, extra in found.items()}
-    return {"loop": loop, "base_bytes": base, **overheads}
+    # The loop's passes over every gradient grow with the gradients a rank holds; the rest is fixed.
+    swept = min(profile.sweep_s_per_param * profile.params, loop)
+    return {"loop": loop - swept, "loop_s_per_param": swept / max(profile.params, 1), "base_bytes": base, **overheads}

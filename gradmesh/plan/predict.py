@@ -151,11 +151,20 @@ def _step(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> costs.St
     step.grad_bytes_per_param, step.grad_calls = wire_of(candidate.compression, inputs.shapes)
     apply_rows(step, plan)
     step.add("compress", inputs.overheads.get(method_of(candidate.compression), 0.0) * step.reduced_share)
-    step.add(
-        "loop", inputs.overheads.get("loop", 0.0) + inputs.overheads.get("world_loop", 0.0) * (inputs.machine.world > 1)
-    )
+    step.add("loop", _loop_s(inputs, step))
     step.add("framework", candidate.grad_accum * sum(inputs.overheads.get(row.name, 0.0) for row in plan.rows))
     return step
+
+
+def _loop_s(inputs: Inputs, step: costs.Step) -> float:
+    """The training loop's own seconds: fixed, the passes over the gradients this rank holds (not
+    the sparse tables' when servers hold them), and what N workers add."""
+    held = step.params - (inputs.options.table_params * step.reduced_share if step.tables_remote else 0.0)
+    return (
+        inputs.overheads.get("loop", 0.0)
+        + inputs.overheads.get("loop_s_per_param", 0.0) * held
+        + inputs.overheads.get("world_loop", 0.0) * (inputs.machine.world > 1)
+    )
 
 
 def predict(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> Prediction:
