@@ -23,7 +23,7 @@ from gradmesh.plan.compute import ComputeProfile
 from gradmesh.plan.link import LinkProfile, bytes_moved
 from gradmesh.plan.predict import Machine
 
-FORMAT = 7
+FORMAT = 8
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,30 @@ def _measure(cfg: configuration.Config, machine: Machine, sizes: tuple[int, ...]
     found = Calibration(compute, links, overheads)
     if machine.nproc > 1:
         overheads["world_loop"] = _world_loop(cfg, machine, found)
+        overheads.update(_server_machinery(cfg, machine, found))
+    return found
+
+
+def _server_machinery(cfg: configuration.Config, machine: Machine, calibration: Calibration) -> dict[str, float]:
+    """Each parameter-server strategy's own seconds per step beyond its predicted parts (the
+    dispatcher's messages, the servers' round trips in Python), which one worker alone cannot
+    show: a server and a worker train 8 steps of a worker's share of the batch here."""
+    from gradmesh import workloads
+
+    pair = dataclasses.replace(machine, nproc=2, nnodes=1)
+    share = max(1, cfg.train.global_batch_size // machine.world)
+    small = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=share))
+    found = {}
+    for row in registry.ROWS:
+        if not row.has_servers:
+            continue
+        measured = trial_step(cfg, row.name, share, pair.threads(2), nproc=2)
+        if measured is None:  # not this model's (hybrid needs sparse tables)
+            continue
+        shapes, options = workloads.model_shapes(cfg), _options(small, pair)
+        job = Inputs(small, calibration.compute, calibration, pair, options, shapes, calibration.overheads)
+        predicted = _baseline(job, row.name).step_s
+        found[row.name] = max(measured[0] - predicted, 0.0) / calibration.overheads.get("co_running", 1.0)
     return found
 
 
@@ -206,8 +230,8 @@ def _single_worker_step(job: Inputs) -> float:
     return _baseline(dataclasses.replace(job, machine=one)).step_s
 
 
-def _baseline(job: Inputs) -> Prediction:
-    """The registry's first strategy, predicted on `job`'s machine."""
-    baseline = Candidate(registry.ROWS[0].name)
+def _baseline(job: Inputs, strategy: str = registry.ROWS[0].name) -> Prediction:
+    """`strategy` (the registry's first), predicted on `job`'s machine."""
+    baseline = Candidate(strategy)
     plan = registry.resolve(baseline.strategy, registry.mesh_for(baseline.strategy, job.machine.world))
     return predict(job, baseline, plan)
