@@ -7,6 +7,7 @@ and what is accepted, and exits with code 2. Nothing here imports torch until a 
 `gradmesh --help` and a usage error would otherwise wait a second for it.
 """
 
+import functools
 import sys
 
 from gradmesh.cli import export, monitor, plan, run, train
@@ -23,7 +24,10 @@ COMMANDS = {
 }
 
 
+@functools.cache
 def build_parser() -> Parser:
+    """Built once per process (argparse reads it, never changes it): a few milliseconds a call,
+    which an in-process caller of `main` (the tests' fuzzing, a launcher's zygote) pays per call."""
     parser = Parser(prog="gradmesh", description="Distributed training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
     for command in (train, plan, run, export, monitor):  # the order `gradmesh --help` lists them in

@@ -11,6 +11,7 @@ optimizer step is kept per strategy, per micro-batch pass. One worker moves noth
 network, so this overhead and the link's collectives (`gradmesh.plan.link`) do not overlap.
 """
 
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -32,6 +33,8 @@ def trial_step(
 ) -> tuple[float, int] | None:
     """(median step seconds, peak memory bytes) of `strategy` on `nproc` local workers of
     `threads` threads, global batch `batch`; None where it cannot run so."""
+    if not _runnable(cfg, strategy, batch, nproc):
+        return None  # refused by train's own checks: no process to start
     with tempfile.TemporaryDirectory(prefix="gradmesh-overhead-") as tmp:
         config = Path(tmp) / "config.toml"
         config.write_text(calibration_config(cfg).to_toml())
@@ -49,6 +52,22 @@ def trial_step(
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         peak = max(json.loads((run_dir / "summary.json").read_text())["peak_memory_bytes"])
         return statistics.median(row["step_time_s"] for row in rows[STEPS // 2 :]), peak
+
+
+def _runnable(cfg: configuration.Config, strategy: str, batch: int, nproc: int) -> bool:
+    from gradmesh import workloads
+    from gradmesh.errors import UsageError
+    from gradmesh.parallel.jobs import job_plan
+
+    train = dataclasses.replace(
+        cfg.train, strategy=strategy, mesh="", grad_accum=1, compression="none", global_batch_size=batch
+    )
+    trial = dataclasses.replace(cfg, train=train)
+    try:
+        job_plan(trial, nproc, nproc, lambda: workloads.meta_model(trial))
+    except UsageError:
+        return False
+    return True
 
 
 def measure_overheads(cfg: configuration.Config, profile: ComputeProfile, batch: int, slots: int) -> dict[str, float]:
