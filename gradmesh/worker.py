@@ -8,6 +8,7 @@ if __name__ == "__main__":  # first, before a second of imports: a stop or a dea
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -111,23 +112,49 @@ def train(cfg: configuration.Config) -> dict:
     return summary
 
 
-@record
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    cfg = configuration.build([configuration.load_toml(argv[0])])
+def _flush() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _train_from(config_path: str) -> None:
+    cfg = configuration.build([configuration.load_toml(config_path)])
     try:
         train(cfg)
     except NonFiniteError:  # every rank stops here together; rank 0 has said why in one line
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush()
         os._exit(EXIT_NONFINITE)
+    _flush()
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    _train_from(argv[0])
     # Leave without interpreter finalisation: process-group objects still referenced from
     # Python (FSDP modules, the device mesh, the checkpoint group) were seen to abort the
     # process in their C++ destructors at exit ("terminate called without an active
     # exception"), turning a finished run into a failed one. All files are closed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
     os._exit(0)
+
+
+def forked(config_path: str) -> None:
+    """A worker forked from its launcher (gradmesh.launch.forked): as `main`, but it returns
+    (torch's process context takes the return value, then the process leaves without
+    finalisation) and prints its own traceback, as an unforked worker's interpreter would."""
+    import signal
+
+    from gradmesh import lifeline
+
+    for sig in (signal.SIGHUP, signal.SIGQUIT):  # the agent's handlers are its own, not the worker's
+        signal.signal(sig, signal.SIG_DFL)
+    lifeline.tie_to_launcher()
+    try:
+        _train_from(config_path)
+    except Exception:
+        traceback.print_exc()
+        _flush()
+        raise
 
 
 if __name__ == "__main__":

@@ -97,3 +97,15 @@ def test_a_plain_scripts_own_store_listens_on_loopback_only(monkeypatch):
     port = topology.store.port
     assert [address for address, bound in listening_sockets([os.getpid()]) if bound == port] == ["127.0.0.1"]
     assert os.environ["MASTER_PORT"] == str(port)
+
+
+def test_workers_are_forked_from_the_launcher_only_where_that_is_safe():
+    """One thread per worker on CPU: forked (the launcher's imports reused). Several threads (a
+    fork of a process whose OpenMP pool has run hangs in its first parallel region), CUDA, or a
+    user's script under `gradmesh run`: fresh interpreters, as torchrun starts them."""
+    from gradmesh.launch.forked import forkable
+
+    worker = ["-m", "gradmesh.worker", "config.toml"]
+    assert forkable("cpu", 1, worker)
+    assert not forkable("cpu", 2, worker) and not forkable("cuda", 1, worker)
+    assert not forkable("cpu", 1, ["-m", "gradmesh.lifeline", "--", "script.py"])

@@ -21,7 +21,7 @@ from gradmesh.config import LaunchConfig
 from gradmesh.errors import EXIT_NONFINITE
 from gradmesh.fault.watchdog import EXIT_HANG
 from gradmesh.launch import network
-from gradmesh.topology import threads_per_worker
+from gradmesh.topology import resolve_device, threads_per_worker
 
 
 def single_machine(launch: LaunchConfig) -> bool:
@@ -123,6 +123,16 @@ def _prepare_environment(launch: LaunchConfig, nproc: int) -> None:
         env.fresh_store_each_round()
 
 
+def _launch(args, launch: LaunchConfig, nproc: int, target: list[str]) -> None:
+    """torchrun.run(args), with gradmesh's own workers forked from this process where that is safe."""
+    from gradmesh.launch import forked
+
+    if forked.forkable(resolve_device(launch.device), threads_per_worker(nproc), target):
+        forked.run(args, target)
+    else:
+        torchrun.run(args)
+
+
 def run_workers(
     launch: LaunchConfig,
     nproc: int,
@@ -147,7 +157,7 @@ def run_workers(
     args = torchrun.parse_args(torchrun_args(launch, nproc, max_restarts) + target)
     try:
         with stores.loopback_servers() if single_machine(launch) else contextlib.nullcontext():
-            torchrun.run(args)
+            _launch(args, launch, nproc, target)
     except ChildFailedError as err:
         if "gradmesh.worker" in target and root_failure(err)[1].exitcode == EXIT_NONFINITE:
             return EXIT_NONFINITE  # rank 0 has said which step, rank and values, in one line
