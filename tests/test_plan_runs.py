@@ -7,12 +7,13 @@ small case; the benchmark, benchmarks/bench_plan.py, holds the planner to 10% me
 larger ones), and the measured order of three plans each predicted at least 1.3x apart."""
 
 import json
+import math
 import statistics
 
 import pytest
 from helpers import gradmesh, metrics, summary
 
-pytestmark = pytest.mark.slow  # a calibration (five one-worker runs) and three measured runs: about a minute
+pytestmark = pytest.mark.slow  # a calibration (one- and two-worker trials) and six measured runs: about a minute
 
 SMALL = ["--set", "model.n_layer=2", "--set", "model.n_head=2", "--set", "model.n_embd=64",
          "--set", "model.block_size=64", "--set", "data.max_chars=60000", "--set", "train.eval_batches=1",
@@ -47,18 +48,27 @@ def _predicted(planned) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def plans(planned) -> list[str]:
-    """Three plans of the pool, each predicted at least 1.3x slower than the one before."""
-    predicted, chosen = _predicted(planned), []
-    for label in sorted(POOL, key=lambda label: predicted[label]):
-        if not chosen or predicted[label] >= 1.3 * predicted[chosen[-1]]:
-            chosen.append(label)
-    assert len(chosen) >= 3, predicted
-    return chosen[:3]
+    """Three plans of the pool: the fastest and the slowest predicted, and the one nearest their
+    geometric mean; each predicted at least 1.3x slower than the one before."""
+    predicted = _predicted(planned)
+    ordered = sorted(POOL, key=lambda label: predicted[label])
+    first, last = ordered[0], ordered[-1]
+    middle = min(ordered[1:-1], key=lambda label: abs(math.log(predicted[label] ** 2 / (predicted[first] * predicted[last]))))
+    chosen = [first, middle, last]
+    assert all(predicted[b] >= 1.3 * predicted[a] for a, b in zip(chosen, chosen[1:])), predicted
+    return chosen
 
 
 @pytest.fixture(scope="module")
-def measured(plans, catalogue):
-    return {label: catalogue.run(2, *SMALL, *label.split(), "--max-steps", str(STEPS), tiny=False) for label in plans}
+def measured(plans, catalogue) -> dict[str, list]:
+    """Each plan trained twice, the plans alternating: a busy neighbour only ever slows a run, so
+    the faster run's steady step is the plan's time (timeit's rule)."""
+    runs: dict[str, list] = {}
+    for steps in (STEPS, STEPS + 1):
+        for label in plans:
+            args = (*SMALL, *label.split(), "--max-steps", str(steps))
+            runs.setdefault(label, []).append(catalogue.run(2, *args, tiny=False))
+    return runs
 
 
 def test_the_plan_table_ranks_and_explains(planned):
@@ -77,20 +87,22 @@ def test_the_plan_table_ranks_and_explains(planned):
         assert p["samples_per_s"] == pytest.approx(32 / p["step_s"])
 
 
-def test_predicted_order_and_step_times_hold_for_three_clearly_different_plans(planned, plans, measured):
+def test_predicted_order_and_step_times_hold_for_three_clearly_different_plans(planned, plans, measured, record_property):
     predicted = _predicted(planned)
-    got = {label: _steady_step_s(measured[label]) for label in plans}
+    got = {label: min(map(_steady_step_s, measured[label])) for label in plans}
     assert sorted(plans, key=got.get) == plans, (got, predicted)
     errors = {label: predicted[label] / got[label] - 1 for label in plans}
-    assert all(abs(e) <= 0.25 for e in errors.values()), errors
+    record_property("errors", {label: round(e, 3) for label, e in errors.items()})  # in --junitxml's report
+    assert all(abs(e) <= 0.25 for e in errors.values()), (errors, got, predicted)
 
 
 def test_every_run_ends_with_its_prediction_beside_what_it_measured(planned, measured):
     """With a cached calibration a launch predicts its own plan; the summary sets it beside the run."""
-    for label, run in measured.items():
-        found = summary(run)
-        assert found["predicted"]["plan"] == label
-        assert found["measured_step_s"] == pytest.approx(_steady_step_s(run), rel=0.2)
+    for label, runs in measured.items():
+        for run in runs:
+            found = summary(run)
+            assert found["predicted"]["plan"] == label
+            assert found["measured_step_s"] == pytest.approx(_steady_step_s(run), rel=0.2)
 
 
 def test_a_plan_much_slower_than_the_best_gets_a_note(planned, tmp_path):

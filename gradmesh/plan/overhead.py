@@ -24,7 +24,7 @@ from gradmesh.env import environment
 from gradmesh.parallel import registry
 from gradmesh.plan.compute import ComputeProfile, calibration_config
 
-STEPS = 8
+STEPS = 24
 """Steps per run; the median of the second half is kept (the first carry one-off costs)."""
 
 

@@ -67,7 +67,7 @@ def _measure(cfg: configuration.Config, machine: Machine, sizes: tuple[int, ...]
         overheads["single_step_s"] = alone[0]
     found = Calibration(compute, links, overheads)
     if machine.nproc > 1:
-        overheads["world_loop"] = _world_loop(cfg, machine, found)
+        overheads.update(_world_residuals(cfg, machine, found))
         overheads.update(_server_machinery(cfg, machine, found))
     return found
 
@@ -75,7 +75,7 @@ def _measure(cfg: configuration.Config, machine: Machine, sizes: tuple[int, ...]
 def _server_machinery(cfg: configuration.Config, machine: Machine, calibration: Calibration) -> dict[str, float]:
     """Each parameter-server strategy's own seconds per step beyond its predicted parts (the
     dispatcher's messages, the servers' round trips in Python), which one worker alone cannot
-    show: a server and a worker train 8 steps of a worker's share of the batch here."""
+    show: a server and a worker train 24 steps of a worker's share of the batch here."""
     from gradmesh import workloads
 
     pair = dataclasses.replace(machine, nproc=2, nnodes=1)
@@ -95,23 +95,32 @@ def _server_machinery(cfg: configuration.Config, machine: Machine, calibration: 
     return found
 
 
-def _world_loop(cfg: configuration.Config, machine: Machine, calibration: Calibration) -> float:
-    """What a step of N workers costs beyond its parts as predicted from one worker and the
-    link: the loop's own collectives (the loss, the metrics, the step's agreement) and the
-    processes' wake-ups around every call. Measured once, with the first strategy of the
-    registry at this machine's worker count; every plan of more than one rank pays it."""
+def _world_residuals(cfg: configuration.Config, machine: Machine, calibration: Calibration) -> dict[str, float]:
+    """What a step of N workers costs beyond its parts as predicted from one worker and the link,
+    measured once per lockstep strategy at this machine's worker count. The registry's first
+    strategy's residual is the loop's own (the loss, the metrics, the step's agreement, the
+    processes' wake-ups around every call), paid by every plan of more than one rank; each
+    other's is its machinery at N ranks (waits in its collectives, per-call costs that the link's
+    fit and a one-worker run do not show), paid where it is planned. Both per step: under
+    gradient accumulation FSDP2's second micro-batch adds what the one-worker run and the link
+    predict for it, not a second residual. Signed (a part whose total comes out below zero
+    counts as zero): clamping each residual would turn every trial's noise into a slower plan."""
     from gradmesh import workloads
 
     local = dataclasses.replace(machine, nnodes=1)
-    measured = trial_step(
-        cfg, registry.ROWS[0].name, cfg.train.global_batch_size, local.threads(local.nproc), nproc=local.nproc
-    )
-    if measured is None:
-        return 0.0
-    shapes = workloads.model_shapes(cfg)
-    overheads = calibration.overheads
-    predicted = _baseline(Inputs(cfg, calibration.compute, calibration, local, _options(cfg, local), shapes, overheads))
-    return max(measured[0] - predicted.step_s, 0.0) / calibration.overheads.get("co_running", 1.0)
+    shapes, options = workloads.model_shapes(cfg), _options(cfg, local)
+    found: dict[str, float] = {}
+    for row in registry.ROWS:
+        if row.has_servers:  # theirs: _server_machinery
+            continue
+        threads = local.threads(local.nproc)
+        measured = trial_step(cfg, row.name, cfg.train.global_batch_size, threads, nproc=local.nproc)
+        if measured is None:
+            continue
+        job = Inputs(cfg, calibration.compute, calibration, local, options, shapes, {**calibration.overheads, **found})
+        extra = (measured[0] - _baseline(job, row.name).step_s) / calibration.overheads.get("co_running", 1.0)
+        found["world_loop" if row is registry.ROWS[0] else f"world:{row.name}"] = extra
+    return found
 
 
 def _slots(cfg: configuration.Config) -> int:
