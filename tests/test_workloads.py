@@ -62,3 +62,17 @@ def test_single_process_is_deterministic(catalogue, tmp_path):
     train(tmp_path, 1, *STEPS, "--optimizer", "adamw", *RECORDED)
     a, b = weights(tmp_path), weights(ddp_run(catalogue, 1, "adamw"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_digits_read_from_scikit_learns_file_are_its_loaders():
+    """mlp-digits reads scikit-learn's bundled file itself (no scikit-learn import in a worker);
+    what it reads is exactly what scikit-learn's own loader returns."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from gradmesh.data.digits import bundled_digits
+
+    data, target = bundled_digits()
+    reference = load_digits()
+    assert np.array_equal(data, reference.data) and np.array_equal(target, reference.target)
+    assert data.shape == (1797, 64) and sorted(set(target.tolist())) == list(range(10))
