@@ -7,6 +7,7 @@ if __name__ == "__main__":  # first, before a second of imports: a stop or a dea
 
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -142,8 +143,6 @@ def forked(config_path: str) -> None:
     """A worker forked from its launcher (gradmesh.launch.forked): as `main`, but it returns
     (torch's process context takes the return value, then the process leaves without
     finalisation) and prints its own traceback, as an unforked worker's interpreter would."""
-    import signal
-
     from gradmesh import lifeline
 
     for sig in (signal.SIGHUP, signal.SIGQUIT):  # the agent's handlers are its own, not the worker's

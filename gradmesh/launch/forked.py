@@ -18,7 +18,6 @@ from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 WORKER = ["-m", "gradmesh.worker"]
-_flushing: list[bool] = []  # os.register_at_fork has no unregister: once per process
 
 
 def forkable(device: str, threads: int, target: list[str]) -> bool:
@@ -59,6 +58,9 @@ def _flush_streams() -> None:
             pass
 
 
+os.register_at_fork(before=_flush_streams)  # this module is imported once per launcher that forks
+
+
 def run(args, target: list[str]) -> None:
     """`torchrun.run(args)` with `gradmesh.worker.forked` as the workers' entry point."""
     from torch.distributed.launcher.api import elastic_launch
@@ -69,8 +71,5 @@ def run(args, target: list[str]) -> None:
         args.master_port = 29500  # as torchrun.run sets it
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "fork"
-    if not _flushing:
-        os.register_at_fork(before=_flush_streams)
-        _flushing.append(True)
     elastic_mp.MultiprocessContext = _EveryFailure  # type: ignore[misc]  # start_processes builds it by this name
     elastic_launch(config=config, entrypoint=worker.forked)(*target[len(WORKER) :])

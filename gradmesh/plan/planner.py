@@ -109,11 +109,11 @@ def _world_residuals(cfg: configuration.Config, machine: Machine, calibration: C
 
     local = dataclasses.replace(machine, nnodes=1)
     shapes, options = workloads.model_shapes(cfg), _options(cfg, local)
+    threads = local.threads(local.nproc)
     found: dict[str, float] = {}
     for row in registry.ROWS:
         if row.has_servers:  # theirs: _server_machinery
             continue
-        threads = local.threads(local.nproc)
         measured = trial_step(cfg, row.name, cfg.train.global_batch_size, threads, nproc=local.nproc)
         if measured is None:
             continue
