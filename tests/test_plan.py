@@ -49,6 +49,33 @@ def test_sharded_rows_step_a_share_and_move_more_bytes_than_ddp():
     assert zero1.parts["comm"] > ddp.parts["comm"] and fsdp.parts["comm"] > ddp.parts["comm"]
 
 
+def test_fsdp_row_gathers_each_unit_forward_and_all_but_the_root_backward():
+    """FSDP2 keeps the root unit gathered from forward to backward; the gradients are
+    reduce-scattered once per unit. 3 units (2 blocks and the root, which holds a quarter of the
+    parameters), 2 micro-batches, 2 ranks: all-gathers move (N-1)/N x 4P per pass."""
+    step = _step(fsdp_units=3, fsdp_root_share=0.25)
+    step.micro = 2
+    costs.fsdp(step, 2)
+    forward = 3 * ALPHA + 0.5 * 4 * PROFILE.params * BETA
+    backward = 2 * ALPHA + 0.5 * 4 * PROFILE.params * 0.75 * BETA
+    scatter = 3 * ALPHA + 0.5 * 4 * PROFILE.params * BETA
+    assert step.parts["comm"] == pytest.approx(2 * (forward + backward) + scatter)
+    alone = _step(fsdp_units=1, fsdp_root_share=1.0)  # a model of one unit gathers once per pass
+    costs.fsdp(alone, 2)
+    assert alone.parts["comm"] == pytest.approx((ALPHA + 0.5 * 4 * PROFILE.params * BETA) * 2)
+
+
+def test_fsdp_units_follow_the_sharding_plan():
+    from gradmesh import workloads
+    from gradmesh.parallel.sharded import fsdp_units
+
+    gpt = workloads.meta_model(build([{"model": {"name": "gpt-char", "n_layer": 3}}]))
+    units, root = fsdp_units(gpt)
+    blocks = sum(p.numel() for p in gpt.h.parameters())
+    assert units == 4 and root == sum(p.numel() for p in gpt.parameters()) - blocks > 0
+    assert fsdp_units(workloads.meta_model(build([{"model": {"name": "mlp-digits"}}])))[0] == 1
+
+
 def test_pipeline_row_adds_the_fill_and_drain_of_its_stages():
     """GPipe's bubble: (S - 1) ticks of one micro-batch's stage time, beside M ticks of work."""
     step = _step(microbatches=8)

@@ -1,7 +1,6 @@
 """The end of a run: the last checkpoint, the final weights and summary.json."""
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from gradmesh.files import atomic_write, replacing
 from gradmesh.loop.build import RunParts, Services
 from gradmesh.loop.nonfinite import NonFiniteError
 from gradmesh.loop.reporting import evaluate
+from gradmesh.plan.steady import steady_step_s
 
 
 def _peak_memory(topology) -> list[int]:
@@ -29,7 +29,7 @@ def _last_loss(rows) -> float | None:
 
 def against_prediction(run_dir: Path | None, rows) -> dict:
     """The launch's prediction (RUN_DIR/prediction.json, gradmesh's own) beside what this run
-    measured: the median step time of its latest steps (the first carry one-off costs)."""
+    measured: the steady step time of its latest steps (`gradmesh.plan.steady`)."""
     if not run_dir:
         return {}
     try:
@@ -41,8 +41,8 @@ def against_prediction(run_dir: Path | None, rows) -> dict:
         }
     except (OSError, ValueError, KeyError, TypeError):
         return {}
-    times = [row["step_time_s"] for row in list(rows)[len(rows) // 2 :] if row.get("step_time_s")]
-    return {"predicted": found, "measured_step_s": statistics.median(times) if times else None}
+    times = [row["step_time_s"] for row in rows if row.get("step_time_s")]
+    return {"predicted": found, "measured_step_s": steady_step_s(times) if times else None}
 
 
 def _refuse_nonfinite(weights: dict[str, torch.Tensor], step: int) -> None:

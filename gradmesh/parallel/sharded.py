@@ -42,6 +42,14 @@ def _units(model: nn.Module) -> list[nn.Module]:
     return []
 
 
+def fsdp_units(model: nn.Module) -> tuple[int, int]:
+    """(FSDP units, parameters in none of the blocks: the root unit's) of `model`'s plan, for the
+    planner's count of gathers."""
+    blocks = _units(model)
+    in_blocks = sum(p.numel() for unit in blocks for p in unit.parameters())
+    return len(blocks) + 1, sum(p.numel() for p in model.parameters()) - in_blocks
+
+
 def apply_fsdp(model: nn.Module, topology: Topology, options: ApplyOptions) -> nn.Module:
     """--compression fp16|bf16: FSDP2 reduce-scatters the gradients at that width (its reduce
     dtype; parameters and the sharded gradients stay fp32). Each unit's reduce-scatter is counted."""

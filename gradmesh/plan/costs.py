@@ -57,6 +57,11 @@ class Options:
     tensors: int = 1
     """Parameter tensors (ZeroRedundancyOptimizer broadcasts each from its owner)."""
     cuda: bool = False
+    fsdp_units: int = 0
+    """FSDP units of the sharding plan, the root's included (0: one per layer and two more)."""
+    fsdp_root_share: float = 0.0
+    """Share of the parameters in the root unit (FSDP2 keeps the root's gathered from forward to
+    backward)."""
 
 
 @dataclass
@@ -128,11 +133,14 @@ def zero1(step: Step, ranks: int) -> None:
 
 
 def fsdp(step: Step, ranks: int) -> None:
-    """Per micro-batch, each unit's parameters gathered for forward and again for backward; the
-    gradients reduce-scattered once per step; each rank steps its shard."""
-    units = step.compute.layers + 2
-    gathers = step.network.time("all_gather", FP32 * step.params, ranks, calls=units)
-    step.add("comm", 2 * step.micro * gathers + step.reduce_gradients("reduce_scatter", ranks, units))
+    """Per micro-batch, each unit's parameters gathered for forward and again for backward, but
+    the root's (FSDP2 does not reshard the root after forward); the gradients reduce-scattered
+    once per step, one call per unit; each rank steps its shard."""
+    units = step.options.fsdp_units or step.compute.layers + 2
+    forward = step.network.time("all_gather", FP32 * step.params, ranks, calls=units)
+    blocks = FP32 * step.params * (1 - step.options.fsdp_root_share)
+    backward = step.network.time("all_gather", blocks, ranks, calls=units - 1) if units > 1 else 0.0
+    step.add("comm", step.micro * (forward + backward) + step.reduce_gradients("reduce_scatter", ranks, units))
     step.optimizer(step.params / ranks)
 
 

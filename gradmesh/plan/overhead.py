@@ -13,7 +13,6 @@ network, so this overhead and the link's collectives (`gradmesh.plan.link`) do n
 
 import dataclasses
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,17 +22,26 @@ from gradmesh import config as configuration
 from gradmesh.env import environment
 from gradmesh.parallel import registry
 from gradmesh.plan.compute import ComputeProfile, calibration_config
+from gradmesh.plan.steady import steady_step_s, steps_for
 
 STEPS = 24
-"""Steps per run; the median of the second half is kept (the first carry one-off costs)."""
+"""Steps per run at least (more where steps are short: `steps_for`); the steady step of the
+second half is kept (the first carry one-off costs)."""
 
 
 def trial_step(
-    cfg: configuration.Config, strategy: str, batch: int, threads: int, nproc: int = 1
+    cfg: configuration.Config,
+    strategy: str,
+    batch: int,
+    threads: int,
+    nproc: int = 1,
+    estimate_s: float = 1.0,
+    grad_accum: int = 1,
 ) -> tuple[float, int] | None:
-    """(median step seconds, peak memory bytes) of `strategy` on `nproc` local workers of
-    `threads` threads, global batch `batch`; None where it cannot run so."""
-    if not _runnable(cfg, strategy, batch, nproc):
+    """(steady step seconds, peak memory bytes) of `strategy` on `nproc` local workers of
+    `threads` threads, global batch `batch` in `grad_accum` micro-batches, as many steps as a step
+    of about `estimate_s` needs; None where it cannot run so."""
+    if not runnable(cfg, strategy, batch, nproc):
         return None  # refused by train's own checks: no process to start
     with tempfile.TemporaryDirectory(prefix="gradmesh-overhead-") as tmp:
         config = Path(tmp) / "config.toml"
@@ -41,8 +49,9 @@ def trial_step(
         run_dir = Path(tmp) / "run"
         cmd = [
             sys.executable, "-m", "gradmesh", "train", "--config", str(config), "--nproc", str(nproc),
-            "--strategy", strategy, "--mesh", "", "--max-steps", str(STEPS), "--global-batch-size", str(batch),
-            "--grad-accum", "1", "--compression", "none", "--run-dir", str(run_dir), "--quiet",
+            "--strategy", strategy, "--mesh", "", "--max-steps", str(steps_for(estimate_s, STEPS)),
+            "--global-batch-size", str(batch),
+            "--grad-accum", str(grad_accum), "--compression", "none", "--run-dir", str(run_dir), "--quiet",
             "--set", "train.sample_chars=0", "--set", "train.eval_batches=1",
         ]  # fmt: skip
         env = dict(environment(), OMP_NUM_THREADS=str(threads))
@@ -51,10 +60,10 @@ def trial_step(
             return None
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         peak = max(json.loads((run_dir / "summary.json").read_text())["peak_memory_bytes"])
-        return statistics.median(row["step_time_s"] for row in rows[STEPS // 2 :]), peak
+        return steady_step_s([row["step_time_s"] for row in rows]), peak
 
 
-def _runnable(cfg: configuration.Config, strategy: str, batch: int, nproc: int) -> bool:
+def runnable(cfg: configuration.Config, strategy: str, batch: int, nproc: int) -> bool:
     from gradmesh import workloads
     from gradmesh.errors import UsageError
     from gradmesh.parallel.jobs import job_plan
@@ -82,7 +91,7 @@ def measure_overheads(cfg: configuration.Config, profile: ComputeProfile, batch:
     for row in registry.ROWS:
         if row.has_servers:  # servers need a rank of their own: modelled, not measured on one
             continue
-        measured = trial_step(cfg, row.name, batch, profile.threads)
+        measured = trial_step(cfg, row.name, batch, profile.threads, estimate_s=modelled)
         if measured is None:
             continue
         found[row.name] = measured[0] - modelled

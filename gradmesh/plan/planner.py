@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from gradmesh import config as configuration
 from gradmesh.files import atomic_write
@@ -18,7 +18,7 @@ from gradmesh.plan.candidates import COMPRESSIONS, Candidate, candidates
 from gradmesh.plan.compute import ComputeProfile, co_running, measure_compute
 from gradmesh.plan.hardware import Cluster, Link, Nodes
 from gradmesh.plan.link import measure_link
-from gradmesh.plan.overhead import measure_overheads, trial_step
+from gradmesh.plan.overhead import measure_overheads, runnable, trial_step
 from gradmesh.plan.predict import Inputs, Machine, Prediction, predict, settle
 
 
@@ -62,7 +62,9 @@ def _measure(cfg: configuration.Config, machine: Machine, sizes: tuple[int, ...]
     overheads["co_running"] = co_running(machine.nproc, worker.threads)
     overheads.update(measure_compression(workloads.model_shapes(cfg), COMPRESSIONS, worker.threads))
     # The speed-up's baseline is measured, not predicted: one worker with every core, the whole batch.
-    alone = trial_step(cfg, registry.ROWS[0].name, cfg.train.global_batch_size, machine.threads(1))
+    whole = compute[machine.threads(1)]
+    estimate = whole.pass_s(cfg.train.global_batch_size) + whole.optimizer_s_per_param * whole.params
+    alone = trial_step(cfg, registry.ROWS[0].name, cfg.train.global_batch_size, machine.threads(1), estimate_s=estimate)
     if alone is not None:
         overheads["single_step_s"] = alone[0]
     found = Calibration(compute, links, overheads)
@@ -73,26 +75,41 @@ def _measure(cfg: configuration.Config, machine: Machine, sizes: tuple[int, ...]
 
 
 def _server_machinery(cfg: configuration.Config, machine: Machine, calibration: Calibration) -> dict[str, float]:
-    """Each parameter-server strategy's own seconds per step beyond its predicted parts (the
-    dispatcher's messages, the servers' round trips in Python), which one worker alone cannot
-    show: a server and a worker train 24 steps of a worker's share of the batch here."""
-    from gradmesh import workloads
-
-    pair = dataclasses.replace(machine, nproc=2, nnodes=1)
-    share = max(1, cfg.train.global_batch_size // machine.world)
-    small = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=share))
+    """Each parameter-server strategy's own seconds beyond its predicted parts (the dispatcher's
+    messages, the servers' round trips in Python), which one worker alone cannot show: the
+    strategy trains the whole batch on this machine's worker count (at least a server and a
+    worker, `trial_step`), in one micro-batch and in two. Part of that machinery is paid per
+    step (the share's dispatch, the commit) and part per micro-batch (hybrid's row requests):
+    the two trials split it, kept as "server:NAME" (per step) and "NAME" (per micro-batch)."""
+    local = dataclasses.replace(machine, nproc=max(machine.nproc, 2), nnodes=1)
     found = {}
     for row in registry.ROWS:
-        if not row.has_servers:
+        if not row.has_servers or not runnable(cfg, row.name, cfg.train.global_batch_size, local.nproc):
+            continue  # not this model's where it cannot run (hybrid needs sparse tables)
+        residuals = [_server_residual(cfg, local, calibration, row.name, micro) for micro in (1, 2)]
+        if None in residuals:
             continue
-        measured = trial_step(cfg, row.name, share, pair.threads(2), nproc=2)
-        if measured is None:  # not this model's (hybrid needs sparse tables)
-            continue
-        shapes, options = workloads.model_shapes(cfg), _options(small, pair)
-        job = Inputs(small, calibration.compute, calibration, pair, options, shapes, calibration.overheads)
-        predicted = _baseline(job, row.name).step_s
-        found[row.name] = max(measured[0] - predicted, 0.0) / calibration.overheads.get("co_running", 1.0)
+        one, two = cast(list[float], residuals)
+        per_micro = max(two - one, 0.0)
+        found[row.name], found[f"server:{row.name}"] = per_micro, max(one - per_micro, 0.0)
     return found
+
+
+def _server_residual(
+    cfg: configuration.Config, local: Machine, calibration: Calibration, strategy: str, micro: int
+) -> float | None:
+    """What `strategy`'s step in `micro` micro-batches on `local` takes beyond its prediction
+    without the servers' machinery; None where it did not run."""
+    from gradmesh import workloads
+
+    shapes, options = workloads.model_shapes(cfg), _options(cfg, local)
+    job = Inputs(cfg, calibration.compute, calibration, local, options, shapes, calibration.overheads)
+    predicted = _baseline(job, strategy, micro).step_s
+    batch, threads = cfg.train.global_batch_size, local.threads(local.nproc)
+    measured = trial_step(cfg, strategy, batch, threads, local.nproc, estimate_s=predicted, grad_accum=micro)
+    if measured is None:
+        return None
+    return (measured[0] - predicted) / calibration.overheads.get("co_running", 1.0)
 
 
 def _world_residuals(cfg: configuration.Config, machine: Machine, calibration: Calibration) -> dict[str, float]:
@@ -112,13 +129,14 @@ def _world_residuals(cfg: configuration.Config, machine: Machine, calibration: C
     threads = local.threads(local.nproc)
     found: dict[str, float] = {}
     for row in registry.ROWS:
-        if row.has_servers:  # theirs: _server_machinery
-            continue
-        measured = trial_step(cfg, row.name, cfg.train.global_batch_size, threads, nproc=local.nproc)
+        if row.has_servers or not runnable(cfg, row.name, cfg.train.global_batch_size, local.nproc):
+            continue  # the servers' own: _server_machinery
+        job = Inputs(cfg, calibration.compute, calibration, local, options, shapes, {**calibration.overheads, **found})
+        predicted = _baseline(job, row.name).step_s
+        measured = trial_step(cfg, row.name, cfg.train.global_batch_size, threads, local.nproc, predicted)
         if measured is None:
             continue
-        job = Inputs(cfg, calibration.compute, calibration, local, options, shapes, {**calibration.overheads, **found})
-        extra = (measured[0] - _baseline(job, row.name).step_s) / calibration.overheads.get("co_running", 1.0)
+        extra = (measured[0] - predicted) / calibration.overheads.get("co_running", 1.0)
         found["world_loop" if row is registry.ROWS[0] else f"world:{row.name}"] = extra
     return found
 
@@ -132,10 +150,12 @@ def _slots(cfg: configuration.Config) -> int:
 def _options(cfg: configuration.Config, machine: Machine) -> costs.Options:
     from gradmesh import workloads
     from gradmesh.parallel.ps import sparse_tables
+    from gradmesh.parallel.sharded import fsdp_units
     from gradmesh.parallel.tp_plans import tp_parameter_count
 
     model = workloads.meta_model(cfg)
     tables = [table for _, table in sparse_tables(model)]
+    units, root = fsdp_units(model)
     return costs.Options(
         microbatches=cfg.train.microbatches,
         schedule=cfg.train.pp_schedule,
@@ -147,6 +167,8 @@ def _options(cfg: configuration.Config, machine: Machine) -> costs.Options:
         row_bytes=costs.FP32 * (tables[0].weight.shape[1] if tables else 0),
         tensors=sum(1 for _ in model.parameters()),
         cuda=machine.cuda,
+        fsdp_units=units,
+        fsdp_root_share=root / max(sum(p.numel() for p in model.parameters()), 1),
     )
 
 
@@ -239,8 +261,8 @@ def _single_worker_step(job: Inputs) -> float:
     return _baseline(dataclasses.replace(job, machine=one)).step_s
 
 
-def _baseline(job: Inputs, strategy: str = registry.ROWS[0].name) -> Prediction:
+def _baseline(job: Inputs, strategy: str = registry.ROWS[0].name, grad_accum: int = 1) -> Prediction:
     """`strategy` (the registry's first), predicted on `job`'s machine."""
-    baseline = Candidate(strategy)
+    baseline = Candidate(strategy, grad_accum=grad_accum)
     plan = registry.resolve(baseline.strategy, registry.mesh_for(baseline.strategy, job.machine.world))
     return predict(job, baseline, plan)

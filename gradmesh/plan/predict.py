@@ -155,6 +155,8 @@ def _step(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> costs.St
     step.add("framework", candidate.grad_accum * sum(inputs.overheads.get(row.name, 0.0) for row in plan.rows))
     if inputs.machine.world > 1:  # what each row's machinery adds at N ranks (planner._world_residuals)
         step.add("framework", sum(inputs.overheads.get(f"world:{row.name}", 0.0) for row in plan.rows))
+    # the servers' machinery per step (planner._server_machinery; per micro-batch: just above)
+    step.add("framework", sum(inputs.overheads.get(f"server:{row.name}", 0.0) for row in plan.rows))
     return step
 
 
