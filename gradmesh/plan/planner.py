@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from gradmesh import config as configuration
 from gradmesh.files import atomic_write
@@ -18,8 +18,9 @@ from gradmesh.plan.candidates import COMPRESSIONS, Candidate, candidates
 from gradmesh.plan.compute import ComputeProfile, co_running, measure_compute
 from gradmesh.plan.hardware import Cluster, Link, Nodes
 from gradmesh.plan.link import measure_link
-from gradmesh.plan.overhead import measure_overheads, runnable, trial_step
+from gradmesh.plan.overhead import measure_overheads, trial_step
 from gradmesh.plan.predict import Inputs, Machine, Prediction, predict, settle
+from gradmesh.plan.residuals import baseline, options_for, server_machinery, world_residuals
 
 
 @dataclass
@@ -69,75 +70,8 @@ def _measure(cfg: configuration.Config, machine: Machine, sizes: tuple[int, ...]
         overheads["single_step_s"] = alone[0]
     found = Calibration(compute, links, overheads)
     if machine.nproc > 1:
-        overheads.update(_world_residuals(cfg, machine, found))
-        overheads.update(_server_machinery(cfg, machine, found))
-    return found
-
-
-def _server_machinery(cfg: configuration.Config, machine: Machine, calibration: Calibration) -> dict[str, float]:
-    """Each parameter-server strategy's own seconds beyond its predicted parts (the dispatcher's
-    messages, the servers' round trips in Python), which one worker alone cannot show: the
-    strategy trains the whole batch on this machine's worker count (at least a server and a
-    worker, `trial_step`), in one micro-batch and in two. Part of that machinery is paid per
-    step (the share's dispatch, the commit) and part per micro-batch (hybrid's row requests):
-    the two trials split it, kept as "server:NAME" (per step) and "NAME" (per micro-batch)."""
-    local = dataclasses.replace(machine, nproc=max(machine.nproc, 2), nnodes=1)
-    found = {}
-    for row in registry.ROWS:
-        if not row.has_servers or not runnable(cfg, row.name, cfg.train.global_batch_size, local.nproc):
-            continue  # not this model's where it cannot run (hybrid needs sparse tables)
-        residuals = [_server_residual(cfg, local, calibration, row.name, micro) for micro in (1, 2)]
-        if None in residuals:
-            continue
-        one, two = cast(list[float], residuals)
-        per_micro = max(two - one, 0.0)
-        found[row.name], found[f"server:{row.name}"] = per_micro, max(one - per_micro, 0.0)
-    return found
-
-
-def _server_residual(
-    cfg: configuration.Config, local: Machine, calibration: Calibration, strategy: str, micro: int
-) -> float | None:
-    """What `strategy`'s step in `micro` micro-batches on `local` takes beyond its prediction
-    without the servers' machinery; None where it did not run."""
-    from gradmesh import workloads
-
-    shapes, options = workloads.model_shapes(cfg), _options(cfg, local)
-    job = Inputs(cfg, calibration.compute, calibration, local, options, shapes, calibration.overheads)
-    predicted = _baseline(job, strategy, micro).step_s
-    batch, threads = cfg.train.global_batch_size, local.threads(local.nproc)
-    measured = trial_step(cfg, strategy, batch, threads, local.nproc, estimate_s=predicted, grad_accum=micro)
-    if measured is None:
-        return None
-    return (measured[0] - predicted) / calibration.overheads.get("co_running", 1.0)
-
-
-def _world_residuals(cfg: configuration.Config, machine: Machine, calibration: Calibration) -> dict[str, float]:
-    """What a step of N workers costs beyond its parts as predicted from one worker and the link,
-    measured once per lockstep strategy at this machine's worker count. The registry's first
-    strategy's residual is the loop's own (the loss, the metrics, the step's agreement, the
-    processes' wake-ups around every call), paid by every plan of more than one rank; each
-    other's is its machinery at N ranks (waits in its collectives, per-call costs that the link's
-    fit and a one-worker run do not show), paid where it is planned. Both per step: under
-    gradient accumulation FSDP2's second micro-batch adds what the one-worker run and the link
-    predict for it, not a second residual. Signed (a part whose total comes out below zero
-    counts as zero): clamping each residual would turn every trial's noise into a slower plan."""
-    from gradmesh import workloads
-
-    local = dataclasses.replace(machine, nnodes=1)
-    shapes, options = workloads.model_shapes(cfg), _options(cfg, local)
-    threads = local.threads(local.nproc)
-    found: dict[str, float] = {}
-    for row in registry.ROWS:
-        if row.has_servers or not runnable(cfg, row.name, cfg.train.global_batch_size, local.nproc):
-            continue  # the servers' own: _server_machinery
-        job = Inputs(cfg, calibration.compute, calibration, local, options, shapes, {**calibration.overheads, **found})
-        predicted = _baseline(job, row.name).step_s
-        measured = trial_step(cfg, row.name, cfg.train.global_batch_size, threads, local.nproc, predicted)
-        if measured is None:
-            continue
-        extra = (measured[0] - predicted) / calibration.overheads.get("co_running", 1.0)
-        found["world_loop" if row is registry.ROWS[0] else f"world:{row.name}"] = extra
+        overheads.update(world_residuals(cfg, machine, found))
+        overheads.update(server_machinery(cfg, machine, found))
     return found
 
 
@@ -145,31 +79,6 @@ def _slots(cfg: configuration.Config) -> int:
     from gradmesh.optim import optimizer_slots, optimizer_spec
 
     return optimizer_slots(*optimizer_spec(cfg.train))
-
-
-def _options(cfg: configuration.Config, machine: Machine) -> costs.Options:
-    from gradmesh import workloads
-    from gradmesh.parallel.ps import sparse_tables
-    from gradmesh.parallel.sharded import fsdp_units
-    from gradmesh.parallel.tp_plans import tp_parameter_count
-
-    model = workloads.meta_model(cfg)
-    tables = [table for _, table in sparse_tables(model)]
-    units, root = fsdp_units(model)
-    return costs.Options(
-        microbatches=cfg.train.microbatches,
-        schedule=cfg.train.pp_schedule,
-        servers=cfg.ps.servers,
-        tp_params=tp_parameter_count(model),
-        table_params=sum(t.weight.numel() for t in tables),
-        table_rows=sum(t.weight.shape[0] for t in tables),
-        rows_per_sample=len(tables),
-        row_bytes=costs.FP32 * (tables[0].weight.shape[1] if tables else 0),
-        tensors=sum(1 for _ in model.parameters()),
-        cuda=machine.cuda,
-        fsdp_units=units,
-        fsdp_root_share=root / max(sum(p.numel() for p in model.parameters()), 1),
-    )
 
 
 def plan(
@@ -226,9 +135,9 @@ def _ranked(
     found = []
     for candidate, job in allowed:
         configured = candidate.configured(cfg)
-        options = _options(configured, machine)
+        options = options_for(configured, machine)
         found.append(predict(Inputs(configured, compute, network, machine, options, shapes, overheads), candidate, job))
-    single = _single_worker_step(Inputs(cfg, compute, network, machine, _options(cfg, machine), shapes, overheads))
+    single = _single_worker_step(Inputs(cfg, compute, network, machine, options_for(cfg, machine), shapes, overheads))
     settle(found, single, samples, machine)
     ranked = _simplest_first(sorted((p for p in found if p.fits), key=lambda p: p.step_s))
     ranked += sorted((p for p in found if not p.fits), key=lambda p: p.peak_bytes)
@@ -258,11 +167,4 @@ def _single_worker_step(job: Inputs) -> float:
     if "single_step_s" in job.overheads:
         return job.overheads["single_step_s"]
     one = dataclasses.replace(job.machine, nproc=1, nnodes=1)
-    return _baseline(dataclasses.replace(job, machine=one)).step_s
-
-
-def _baseline(job: Inputs, strategy: str = registry.ROWS[0].name, grad_accum: int = 1) -> Prediction:
-    """`strategy` (the registry's first), predicted on `job`'s machine."""
-    baseline = Candidate(strategy, grad_accum=grad_accum)
-    plan = registry.resolve(baseline.strategy, registry.mesh_for(baseline.strategy, job.machine.world))
-    return predict(job, baseline, plan)
+    return baseline(dataclasses.replace(job, machine=one)).step_s

@@ -153,9 +153,10 @@ def _step(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> costs.St
     step.add("compress", inputs.overheads.get(method_of(candidate.compression), 0.0) * step.reduced_share)
     step.add("loop", _loop_s(inputs, step))
     step.add("framework", candidate.grad_accum * sum(inputs.overheads.get(row.name, 0.0) for row in plan.rows))
-    if inputs.machine.world > 1:  # what each row's machinery adds at N ranks (planner._world_residuals)
+    if inputs.machine.world > 1:  # what each row's machinery adds at N ranks (residuals.world_residuals)
         step.add("framework", sum(inputs.overheads.get(f"world:{row.name}", 0.0) for row in plan.rows))
-    # the servers' machinery per step (planner._server_machinery; per micro-batch: just above)
+        step.add("comm", (step.grad_calls - 1) * inputs.overheads.get("world_call_s", 0.0))  # residuals._sync_point
+    # the servers' machinery per step (residuals.server_machinery; per micro-batch: just above)
     step.add("framework", sum(inputs.overheads.get(f"server:{row.name}", 0.0) for row in plan.rows))
     return step
 
