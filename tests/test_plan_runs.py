@@ -4,7 +4,7 @@ plans, `--strategy auto`, and the predicted-vs-measured rows every run then ends
 One calibration serves the module (the suite's own cache folder, conftest.py); each run trains
 enough steps for a steady step time. Tolerances: 25% on a step time (the issue's bound for this
 small case; the benchmark, benchmarks/bench_plan.py, holds the planner to 10% median error on
-larger ones), and the measured order of three plans each predicted at least 1.3x apart."""
+larger ones), and the measured order of three plans each predicted at least 1.2x apart."""
 
 import json
 import math
@@ -53,13 +53,14 @@ def _predicted(planned) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def plans(planned) -> list[str]:
     """Three plans of the pool: the fastest and the slowest predicted, and the one nearest their
-    geometric mean; each predicted at least 1.3x slower than the one before."""
+    geometric mean; each predicted at least 1.2x slower than the one before (the pool's
+    spread: ddp to FSDP2 with accumulation is about 2.5x on this small model)."""
     predicted = _predicted(planned)
     ordered = sorted(POOL, key=lambda label: predicted[label])
     first, last = ordered[0], ordered[-1]
     middle = min(ordered[1:-1], key=lambda label: abs(math.log(predicted[label] ** 2 / (predicted[first] * predicted[last]))))
     chosen = [first, middle, last]
-    assert all(predicted[b] >= 1.3 * predicted[a] for a, b in zip(chosen, chosen[1:])), predicted
+    assert all(predicted[b] >= 1.2 * predicted[a] for a, b in zip(chosen, chosen[1:])), predicted
     return chosen
 
 

@@ -158,6 +158,8 @@ def _step(inputs: Inputs, candidate: Candidate, plan: registry.Plan) -> costs.St
         step.add("comm", (step.grad_calls - 1) * inputs.overheads.get("world_call_s", 0.0))  # residuals._sync_point
     # the servers' machinery per step (residuals.server_machinery; per micro-batch: just above)
     step.add("framework", sum(inputs.overheads.get(f"server:{row.name}", 0.0) for row in plan.rows))
+    if step.parts["framework"] < 0:  # the residuals say this plan's machinery costs less than the loop's
+        step.parts["loop"] = max(step.parts["loop"] + step.parts.pop("framework"), 0.0)
     return step
 
 

@@ -22,7 +22,9 @@ def server_machinery(cfg: configuration.Config, machine: Machine, calibration: C
     strategy trains the whole batch on this machine's worker count (at least a server and a
     worker, `trial_step`), in one micro-batch and in two. Part of that machinery is paid per
     step (the share's dispatch, the commit) and part per micro-batch (hybrid's row requests):
-    the two trials split it, kept as "server:NAME" (per step) and "NAME" (per micro-batch)."""
+    the two trials split it, kept as "server:NAME" (per step) and "NAME" (per micro-batch).
+    Signed: where the servers' plan costs less than the loop's residual at N workers says (a
+    server and a worker agree on less than two workers do), the difference comes off the loop."""
     local = dataclasses.replace(machine, nproc=max(machine.nproc, 2), nnodes=1)
     found = {}
     for row in registry.ROWS:
@@ -31,9 +33,8 @@ def server_machinery(cfg: configuration.Config, machine: Machine, calibration: C
         residuals = [_server_residual(cfg, local, calibration, row.name, micro) for micro in (1, 2)]
         if None in residuals:
             continue
-        one, two = cast(list[float], residuals)
-        per_micro = max(two - one, 0.0)
-        found[row.name], found[f"server:{row.name}"] = per_micro, max(one - per_micro, 0.0)
+        one, two = cast(list[float], residuals)  # signed, as the world residuals: a line through both
+        found[row.name], found[f"server:{row.name}"] = two - one, 2 * one - two
     return found
 
 
@@ -62,8 +63,9 @@ def world_residuals(cfg: configuration.Config, machine: Machine, calibration: Ca
     other's is its machinery at N ranks (waits in its collectives, per-call costs that the link's
     fit and a one-worker run do not show), paid where it is planned. Both per step: under
     gradient accumulation FSDP2's second micro-batch adds what the one-worker run and the link
-    predict for it, not a second residual. Signed (a part whose total comes out below zero
-    counts as zero): clamping each residual would turn every trial's noise into a slower plan."""
+    predict for it, not a second residual. Signed (a plan whose machinery totals below zero
+    takes it off the loop's part): clamping each residual would turn every trial's noise into a
+    slower plan."""
     from gradmesh import workloads
 
     local = dataclasses.replace(machine, nnodes=1)

@@ -20,7 +20,7 @@ def steady_step_s(times: list[float]) -> float:
     return sum(kept) / len(kept)
 
 
-def steps_for(estimate_s: float, least: int, seconds: float = 1.0, most: int = 240) -> int:
+def steps_for(estimate_s: float, least: int, seconds: float = 0.6, most: int = 240) -> int:
     """Steps for a run whose steady half lasts about `seconds` at `estimate_s` a step: short steps
     need many to average their waits out; at least `least`, at most `most`."""
     wanted = math.ceil(2 * seconds / max(estimate_s, 1e-6))
