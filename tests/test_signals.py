@@ -67,7 +67,9 @@ def start(args: list[str], ready, stdout=subprocess.PIPE) -> tuple[subprocess.Po
 def assert_stopped(launcher: subprocess.Popen, workers: list[int], signum: int) -> None:
     out, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 128 + signum, err
-    lines = err.strip().splitlines()
+    # A straggler alert is the monitor's (on sub-millisecond steps a busy neighbour makes one):
+    # what a stop prints is one line and nothing else (no traceback, no worker's complaint).
+    lines = [line for line in err.strip().splitlines() if not line.startswith("gradmesh: alert at step")]
     assert lines == [f"gradmesh: stopped by {signal.Signals(signum).name}; 2 workers stopped, none left running"], err
     assert not alive(workers)
 
