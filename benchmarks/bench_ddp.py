@@ -1,6 +1,7 @@
 """Benchmark: gradmesh `ddp` against a plain torch DDP script, and 1 -> 2 worker scaling.
 
     .venv/bin/python benchmarks/bench_ddp.py            # prints a table, writes benchmarks/results/ddp.json
+    .venv/bin/python benchmarks/bench_ddp.py --sharded  # zero1 and fsdp in the same rounds
 
 Runs alternate (gradmesh, plain, gradmesh, plain, ...) inside one invocation so that machine
 noise hits both sides alike; each run's throughput is measured over its steady state (the
@@ -22,6 +23,8 @@ from rich.table import Table
 
 HERE = Path(__file__).parent
 SIZE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128}
+SHARDED = ("zero1", "fsdp")
+"""--sharded: gradmesh's sharded strategies, on the same model and batch as ddp."""
 
 
 def steady_rate(stamps: list[float], batch: int, warmup: int) -> float:
@@ -64,14 +67,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--global-batch-size", type=int, default=32)
+    parser.add_argument("--sharded", action="store_true", help="also zero1 and fsdp on 2 workers, each round")
     parser.add_argument("--out", default=str(HERE / "results" / "ddp.json"))
     args = parser.parse_args()
     common = (args.steps, args.global_batch_size, args.warmup)
-    rates: dict[str, list[float]] = {k: [] for k in ("gradmesh@2", "plain@2", "gradmesh@1x1", "gradmesh@1x2")}
+    sharded = SHARDED if args.sharded else ()
+    rates: dict[str, list[float]] = {
+        k: [] for k in ("gradmesh@2", "plain@2", "gradmesh@1x1", "gradmesh@1x2", *(f"{s}@2" for s in sharded))
+    }
     for round_ in range(args.rounds):
         print(f"round {round_ + 1}/{args.rounds}", flush=True)
         rates["gradmesh@2"].append(run_gradmesh(2, *common, threads=1))
         rates["plain@2"].append(run_plain(2, *common))
+        for strategy in sharded:
+            rates[f"{strategy}@2"].append(run_gradmesh(2, *common, 1, "--strategy", strategy))
         rates["gradmesh@1x1"].append(run_gradmesh(1, *common, threads=1))
         rates["gradmesh@1x2"].append(run_gradmesh(1, *common, threads=2))
     med = {k: statistics.median(v) for k, v in rates.items()}
@@ -82,6 +91,7 @@ def main() -> None:
         "gradmesh_over_plain_ddp": med["gradmesh@2"] / med["plain@2"],
         "scaling_1_to_2_one_thread_each": med["gradmesh@2"] / med["gradmesh@1x1"],
         "scaling_1_to_2_same_cores": med["gradmesh@2"] / med["gradmesh@1x2"],
+        **{f"{s}_over_plain_ddp": med[f"{s}@2"] / med["plain@2"] for s in sharded},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
@@ -91,6 +101,9 @@ def main() -> None:
     table.add_row("plain torch DDP, 2 workers", f"{med['plain@2']:.1f}", "")
     table.add_row("gradmesh ddp, 2 workers", f"{med['gradmesh@2']:.1f}", "")
     table.add_row("gradmesh / plain DDP", f"{result['gradmesh_over_plain_ddp']:.3f}", ">= 0.98")
+    for strategy in sharded:
+        table.add_row(f"gradmesh {strategy}, 2 workers", f"{med[f'{strategy}@2']:.1f}", "")
+        table.add_row(f"{strategy} / plain DDP", f"{result[f'{strategy}_over_plain_ddp']:.3f}", "")
     table.add_row("gradmesh, 1 worker x 1 thread", f"{med['gradmesh@1x1']:.1f}", "")
     table.add_row("scaling 1 -> 2 workers (1 thread each)", f"{result['scaling_1_to_2_one_thread_each']:.2f}x", "2.0x")
     table.add_row("gradmesh, 1 worker x 2 threads", f"{med['gradmesh@1x2']:.1f}", "")

@@ -73,8 +73,15 @@ def fsdp_sync(model: nn.Module, topology: Topology, options: ApplyOptions, last_
 
 
 def zero1_optimizer(params, topology: Topology, optimizer_class, **kwargs) -> ZeroRedundancyOptimizer:
+    """Each rank's parameters live in one flat bucket (`parameters_as_bucket_view`), so the updated
+    shards go out as one broadcast per rank, not one per parameter tensor: on a small model the
+    per-tensor calls cost more than the bytes (docs/benchmarks.md#zero1)."""
     return ZeroRedundancyOptimizer(
-        params, optimizer_class=optimizer_class, process_group=topology.group(data_axis(topology)), **kwargs
+        params,
+        optimizer_class=optimizer_class,
+        process_group=topology.group(data_axis(topology)),
+        parameters_as_bucket_view=True,
+        **kwargs,
     )
 
 

@@ -54,8 +54,6 @@ class Options:
     rows_per_sample: float = 0.0
     """Table rows one sample touches (one per categorical feature)."""
     row_bytes: float = 0.0
-    tensors: int = 1
-    """Parameter tensors (ZeroRedundancyOptimizer broadcasts each from its owner)."""
     cuda: bool = False
     fsdp_units: int = 0
     """FSDP units of the sharding plan, the root's included (0: one per layer and two more)."""
@@ -125,10 +123,10 @@ def ddp(step: Step, ranks: int) -> None:
 
 
 def zero1(step: Step, ranks: int) -> None:
-    """ddp's all-reduce; each rank steps its shard, then every parameter is broadcast from its owner
-    (torch's ZeroRedundancyOptimizer, one broadcast per parameter tensor)."""
+    """ddp's all-reduce; each rank steps its shard, then each rank's shard is broadcast from it
+    (torch's ZeroRedundancyOptimizer with its parameters in one bucket per rank)."""
     step.add("comm", step.reduce_gradients("all_reduce", ranks, _buckets(step.params)))
-    step.add("comm", step.network.time("broadcast", FP32 * step.params, ranks, calls=step.options.tensors))
+    step.add("comm", step.network.time("broadcast", FP32 * step.params, ranks, calls=ranks))
     step.optimizer(step.params / ranks)
 
 

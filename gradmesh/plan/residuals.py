@@ -131,7 +131,6 @@ def options_for(cfg: configuration.Config, machine: Machine) -> costs.Options:
         table_rows=sum(t.weight.shape[0] for t in tables),
         rows_per_sample=len(tables),
         row_bytes=costs.FP32 * (tables[0].weight.shape[1] if tables else 0),
-        tensors=sum(1 for _ in model.parameters()),
         cuda=machine.cuda,
         fsdp_units=units,
         fsdp_root_share=root / max(sum(p.numel() for p in model.parameters()), 1),
