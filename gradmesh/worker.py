@@ -103,7 +103,8 @@ def train(cfg: configuration.Config) -> dict:
     if session.identity != 0:
         sys.stdout, sys.stderr = RankPrefixed(sys.stdout, session.identity), RankPrefixed(sys.stderr, session.identity)
     run_dir = Path(cfg.run.dir)
-    remote = registry.get(cfg.train.strategy).has_servers  # sparse tables live on the servers
+    row = registry.get(cfg.train.strategy)
+    remote = row.has_servers or row.shards_tables  # no rank makes a whole sparse table
     workload = workload or workloads.build(cfg, session.device, remote_tables=remote)
     trainer = _trainer(cfg, session, workload, run_dir)
     summary = trainer.fit()

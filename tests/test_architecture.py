@@ -64,7 +64,7 @@ def test_environment_is_read_in_one_module():
     assert [str(p) for p in readers] == ["env.py"]
 
 
-REGISTRIES = {"parallel/registry.py", "parallel/strategy.py", "config/compression.py"}
+REGISTRIES = {"parallel/registry.py", "parallel/plans.py", "parallel/strategy.py", "config/compression.py"}
 """The strategy registry (its rows and their type) and the compressor registry."""
 AXIS_MODULES = {"mesh.py", "topology.py"}
 """Where mesh axes are named and picked; code elsewhere picks an axis by mesh.py's constants."""

@@ -36,3 +36,9 @@ def check_hybrid(cfg, mesh: dict[str, int], meta_model) -> None:
     from gradmesh.parallel.ps import check_ps as check
 
     check(cfg, mesh, meta_model, hybrid=True)
+
+
+def check_tables(cfg, mesh: dict[str, int], meta_model) -> None:
+    from gradmesh.parallel.tables import check_tables as check
+
+    check(cfg, mesh, meta_model)

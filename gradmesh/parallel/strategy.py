@@ -24,6 +24,8 @@ class ModelSize:
     """Transformer blocks (tensor parallel all-reduces activations in each)."""
     activation_bytes: int = 0
     """Bytes of one block-boundary activation of this replica's share of a global batch."""
+    table_params: int = 0
+    """Parameters in sparse embedding tables (they train row-wise: one accumulator per row)."""
 
 
 def _ring(n: int) -> float:
@@ -84,6 +86,9 @@ class Strategy:
     """Its gradients are reduced outside the job's reducer (FSDP2 reduce-scatters them at its
     reduce dtype), so of the --compression methods its engine family takes (the compressor
     registry, `gradmesh.config.compression`) only a plain cast applies."""
+    shards_tables: bool = False
+    """The model's sparse tables are split by rows over the ranks, each making its own rows
+    (`model.init_rows`): the workload keeps its whole tables on the meta device."""
     dense_on_workers: bool = False
     """Parameter-server family: the dense parameters are replicated on the workers and averaged
     among them by all-reduce; the servers hold only the sparse tables (hybrid)."""
@@ -101,6 +106,12 @@ def load(ref: str | None) -> Callable:
         raise ValueError("this strategy's engine keeps its own state: it has no such function")
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def _tables_state(size: ModelSize, n: int) -> float:
+    """The dense part as ddp holds it; 1/N of the tables' rows (their gradients are the touched
+    rows', their row-wise state a column: both left out)."""
+    return FP32 * ((size.params - size.table_params) * (2 + size.slots) + size.table_params / n)
 
 
 def _tp_state(size: ModelSize, n: int) -> float:

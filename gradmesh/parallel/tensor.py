@@ -33,22 +33,26 @@ def apply_tp(model: nn.Module, topology: Topology, options=None) -> nn.Module:
     return model
 
 
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, held_apart=()) -> torch.Tensor:
     """Global gradient-norm clipping over a mix of DTensor and plain gradients.
 
     torch's clip_grad_norm_ stacks per-parameter norms and cannot mix the two kinds; here a
     DTensor's norm is reduced over its mesh (whatever its placements) and plain tensors count
-    once, as replicated values do.
+    once, as replicated values do. `held_apart`: gradients kept outside `.grad` (the sharded
+    tables' rows, `gradmesh.parallel.tables.ShardedTables`), counted and scaled alike.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     squares = []
     for grad in grads:
         norm = torch.linalg.vector_norm(grad)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    squares += [holder.grad_norm_sq().to(torch.float32) for holder in held_apart]
     total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
         grad.mul_(coef.item() if isinstance(grad, DTensor) else coef)
+    for holder in held_apart:
+        holder.scale_grads(coef.item())
     return total
 
 
@@ -61,8 +65,11 @@ def _needs_own_clip(model: nn.Module) -> bool:
 
 def clip_gradients(model: nn.Module, max_norm: float) -> None:
     """Global gradient-norm clipping of a model whatever its strategy left it holding."""
-    if _needs_own_clip(model):
-        clip_grad_norm(list(model.parameters()), max_norm)
+    from gradmesh.parallel.tables import holders
+
+    held_apart = holders(model)
+    if held_apart or _needs_own_clip(model):
+        clip_grad_norm(list(model.parameters()), max_norm, held_apart)
     else:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 

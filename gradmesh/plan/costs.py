@@ -196,6 +196,25 @@ def hybrid(step: Step, ranks: int) -> None:
     step.optimizer(dense + touched * options.row_bytes / FP32)
 
 
+def tables(step: Step, ranks: int) -> None:
+    """The dense part as ddp over every rank; each micro-batch's lookups cross to their rows'
+    owners and back (counts, ids, rows, and in backward the rows' gradients: four all-to-alls,
+    (N-1)/N of the lookups remote), and each rank steps the touched rows of its ranges."""
+    options = step.options
+    dense = step.params - options.table_params
+    calls = _buckets(dense) * step.grad_calls
+    step.add("comm", step.network.time("all_reduce", dense * step.grad_bytes_per_param, ranks, calls))
+    if not options.table_params:
+        return
+    step.tables_remote = True
+    remote = step.micro_samples * options.rows_per_sample * (ranks - 1) / ranks
+    exchange = [remote * 16, remote * options.row_bytes, remote * options.row_bytes]  # ids as (table, row)
+    per_micro = sum(step.network.time("p2p", nbytes, 2) for nbytes in [8.0 * ranks, *exchange])
+    step.add("comm", step.micro * per_micro)
+    touched = min(step.micro_samples * step.micro * ranks * options.rows_per_sample, options.table_rows) / ranks
+    step.optimizer(dense + touched * options.row_bytes / FP32)
+
+
 def _touched_rows(step: Step, workers: int) -> float:
     """Rows of the sparse tables a step looks up (at most all of them), their ids and values pushed
     to the servers and pulled back by every worker; the tables' whole gradients are then no

@@ -104,7 +104,10 @@ def _model_size(cfg: configuration.Config, profile: ComputeProfile, options: cos
 
     optimizer_class, kwargs = optimizer_spec(cfg.train)
     return registry.ModelSize(
-        params=profile.params, slots=optimizer_slots(optimizer_class, kwargs), tp_params=options.tp_params
+        params=profile.params,
+        slots=optimizer_slots(optimizer_class, kwargs),
+        tp_params=options.tp_params,
+        table_params=options.table_params,
     )
 
 

@@ -1,0 +1,192 @@
+"""Sparse tables sharded by rows over every rank, the dense network data-parallel (`--strategy
+tables`): the embedding model parallelism of DLRM and TorchRec, on torch's own parts.
+
+Each table the model declares sparse (`model.sparse_tables()`) is split into even row ranges over
+the data axis (torch.chunk's split: rank r holds rows [r c, (r + 1) c), c = ceil(rows / ranks)),
+each rank making its own rows (`model.init_rows`), so no rank ever holds a whole table. The
+weight is a DTensor sharded on its rows, as FSDP2 keeps a parameter: checkpoints hold it under
+its parameter name and DCP reshards it to and from every other strategy; the final export and
+`full_state` gather it.
+
+A step: before the model's forward, one exchange serves every table (`gradmesh.comm.exchange`:
+the ids a share looks up go to the rows' owners, the rows come back), and each table module
+returns its part of it; backward sends the rows' gradients to their owners. At the optimizer
+step an owner sums them per distinct row and applies row-wise Adagrad to those rows alone —
+what one process does with the dense table gradient, where an untouched row neither moves nor
+adds to its accumulator — so a step costs the rows its batch touched, whatever the tables' size.
+The dense layers train as under ddp (DDP through gradmesh's reducer), and a global clip counts
+the tables' rows (`grad_norm_sq`, `scale_grads`).
+"""
+
+import functools
+from typing import cast
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel
+
+from gradmesh.comm.exchange import Fetch, RowGradients, all_reduce_sum, route, serve
+from gradmesh.errors import UsageError
+from gradmesh.mesh import DP_AXIS
+from gradmesh.optim import rowwise_adagrad
+from gradmesh.parallel.data import apply_ddp
+from gradmesh.parallel.options import ApplyOptions
+from gradmesh.parallel.ps import sparse_tables
+from gradmesh.parallel.sparse import SparseModel
+from gradmesh.topology import Topology
+
+ATTRIBUTE = "_gradmesh_tables"
+"""Where a model (and each of its table weights) keeps its `ShardedTables`."""
+
+
+class ShardedTables:
+    """This rank's row ranges of a model's sparse tables, the exchange, the pending gradients."""
+
+    def __init__(self, model: nn.Module, topology: Topology):
+        self.tables = [table for _, table in sparse_tables(model)]
+        self.group, self.ranks = topology.group(DP_AXIS), topology.dp_size
+        chunks = [-(-table.num_embeddings // self.ranks) for table in self.tables]
+        self.chunks = torch.tensor(chunks, device=topology.device)
+        self.rows = torch.tensor([table.num_embeddings for table in self.tables], device=topology.device)
+        self.span = max(chunks)
+        self.pending = RowGradients(len(self.tables), self.span)
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.outputs: list[torch.Tensor] = []
+        for index, table in enumerate(self.tables):
+            self._shard(model, index, table, topology, chunks[index])
+        model.register_forward_pre_hook(self._before_forward)
+        setattr(model, ATTRIBUTE, self)
+
+    def _shard(self, model: nn.Module, index: int, table: nn.Embedding, topology: Topology, chunk: int) -> None:
+        rows, dim = table.num_embeddings, table.embedding_dim
+        low, high = min(topology.dp_rank * chunk, rows), min((topology.dp_rank + 1) * chunk, rows)
+        if table.weight.is_meta:
+            local = cast(SparseModel, model).init_rows(index, low, high)
+        else:
+            local = table.weight.detach()[low:high].clone()
+        assert topology.mesh is not None  # a started topology has its mesh
+        shape = torch.Size((rows, dim))
+        weight = DTensor.from_local(
+            local.to(topology.device), topology.mesh[DP_AXIS], [Shard(0)], run_check=False, shape=shape, stride=(dim, 1)
+        )
+        table.weight = nn.Parameter(weight)
+        # Sharding as data: the module's forward reads the exchange's answer for its index.
+        table.forward = functools.partial(self._output, index)  # type: ignore[method-assign]
+
+    def tag(self) -> None:
+        """Mark the table weights as this object's, for the optimizer to find: after any `.to()`,
+        which gives a DTensor parameter a new object."""
+        for table in self.tables:
+            setattr(table.weight, ATTRIBUTE, self)
+
+    def local(self, index: int) -> torch.Tensor:
+        weight = self.tables[index].weight
+        return weight.to_local() if isinstance(weight, DTensor) else weight
+
+    def _before_forward(self, model: nn.Module, args: tuple) -> None:
+        lookups = [ids.reshape(-1) for ids in model.lookups(*args)]  # type: ignore[operator]
+        ids = torch.stack(lookups).to(self.chunks.device)
+        self._check_ids(ids)
+        routed = route(ids, self.chunks, self.span, self.ranks, self.group)
+        with torch.no_grad():
+            served = serve(routed.keys, self.span, [self.local(t) for t in range(len(self.tables))])
+        rows = Fetch.apply(self.anchor, served, routed, self.group, self.pending)
+        self.outputs = list(rows.view(len(self.tables), ids.shape[1], -1).unbind(0))
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        """Here, not on the owner: a bad id must fail on the rank whose batch holds it."""
+        if not ids.numel():
+            return
+        bad = ((ids.min(dim=1).values < 0) | (ids.max(dim=1).values >= self.rows)).nonzero()
+        if len(bad):
+            table = int(bad[0])
+            raise ValueError(f"table {table} looked up an id outside [0, {int(self.rows[table])})")
+
+    def _output(self, index: int, ids: torch.Tensor) -> torch.Tensor:
+        found = self.outputs[index]
+        return found.view(*ids.shape, found.shape[-1])
+
+    # -- the optimizer step's side -------------------------------------------------------------
+
+    def summed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per table: this rank's distinct touched rows and their gradient. Every rank's loss is
+        weighted so that the average over ranks is the batch's gradient (as DDP averages)."""
+        return self.pending.summed(1.0 / self.ranks, self.tables[0].embedding_dim)
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Collective: the squared norm of the tables' gradients, every rank's rows."""
+        local = torch.zeros((), dtype=torch.float64, device=self.chunks.device)
+        for _, grads in self.summed():
+            local += grads.double().pow(2).sum()
+        return all_reduce_sum(local, self.group)
+
+    def scale_grads(self, coef: float) -> None:
+        for _, grads in self.summed():
+            grads.mul_(coef)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Row-wise Adagrad on the touched rows, at the group's table_lr times its schedule."""
+        for index, (rows, grads) in enumerate(self.summed()):
+            weight = self.tables[index].weight
+            group = next(g for g in optimizer.param_groups if any(p is weight for p in g["params"]))
+            schedule = group["lr"] / group["first_lr"] if group.get("first_lr") else 0.0
+            state = optimizer.state[weight]
+            if "sum" not in state:
+                state["sum"] = torch.zeros_like(weight[:, 0], memory_format=torch.contiguous_format)
+                state["step"] = torch.tensor(0.0)
+            local, accumulator = self.local(index), state["sum"].to_local()
+            values, sums = local[rows], accumulator[rows]
+            rowwise_adagrad(values, grads, sums, group.get("table_lr", group["lr"]) * schedule)
+            local[rows], accumulator[rows] = values, sums
+            state["step"] += 1
+        self.pending.clear()
+
+
+def holders(model: nn.Module) -> list[ShardedTables]:
+    """The `ShardedTables` of a model (wrapped or not)."""
+    return [found for module in model.modules() if (found := module.__dict__.get(ATTRIBUTE)) is not None]
+
+
+def apply_tables(model: nn.Module, topology: Topology, options: ApplyOptions) -> nn.Module:
+    """The tables row-sharded over the data axis, the rest wrapped in DDP (which leaves the tables
+    alone: their rows travel by the exchange)."""
+    tables = ShardedTables(model, topology)
+    names = [f"{name}.weight" for name, _ in sparse_tables(model)]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    wrapped = apply_ddp(model, topology, options)
+    tables.tag()
+    return wrapped
+
+
+def tables_optimizer(params, topology: Topology, optimizer_class, **kwargs) -> torch.optim.Optimizer:
+    """`optimizer_class` (the workload's row-wise tables beside torch's own) whose step first
+    applies the sharded tables' touched rows, and whose zero_grad drops their pending gradients."""
+
+    # A base class chosen at run time: mypy cannot type a class over a variable base.
+    class ShardedRows(optimizer_class):
+        def _sharded(self) -> list[ShardedTables]:
+            found = {id(t): t for g in self.param_groups for p in g["params"] if (t := getattr(p, ATTRIBUTE, None))}
+            return list(found.values())
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for tables in self._sharded():
+                tables.step(self)
+            return super().step(closure)
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            super().zero_grad(set_to_none)
+            for tables in self._sharded():
+                tables.pending.clear()
+
+    ShardedRows.__name__ = ShardedRows.__qualname__ = f"ShardedRows{optimizer_class.__name__}"
+    return ShardedRows(params, **kwargs)
+
+
+def check_tables(cfg, mesh: dict[str, int], meta_model) -> None:
+    if not sparse_tables(meta_model()):
+        raise UsageError(
+            f"--strategy tables shards a model's sparse embedding tables, and --model {cfg.model.name} declares none; "
+            "use it with --model recsys, or choose ddp, zero1 or fsdp"
+        )
