@@ -1,13 +1,13 @@
 """Rows of row-sharded tables fetched from their owners and their gradients sent back: the
 all-to-all exchange behind the `tables` strategy (`gradmesh.parallel.tables`).
 
-Each rank asks for the rows its share of a batch looks up, every table at once: the ids are
-grouped by the rank that owns their row (even row ranges, torch.chunk's split), the counts go
-first (all-to-all of one integer per peer) so that both sides know every split, then the
-(table, row) pairs (all-to-all), and the owners answer with the rows (all-to-all back). In
-backward the rows' gradients take the reverse way to their owners (all-to-all), which keep
-them, unsummed, until the optimizer step (`RowGradients`). Four collectives a step whatever
-the number of tables; the bytes are those of the rows a share touches, not of the tables.
+Each rank asks for the rows its share of a batch looks up, every table at once: each lookup
+becomes one key (table, row of the owner's range), grouped by the rank that owns the row (even
+row ranges, torch.chunk's split) and sent to it (`Router`: one all-to-all in the steady state),
+and the owners answer with the rows (all-to-all back). In backward the rows' gradients take the
+reverse way to their owners (all-to-all), which keep them until the optimizer step sums them
+per row (`RowGradients`). Three collectives a micro-batch whatever the number of tables; the
+bytes are those of the rows a share touches, not of the tables.
 
 torch has no sharded embedding; TorchRec has one, but it pins its own torch and FBGEMM build.
 The exchange is plain `torch.distributed.all_to_all_single` (gloo and NCCL), kept here, apart
@@ -42,14 +42,24 @@ class RowGradients:
         self.tables, self.span = tables, span
         self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.expected = 0
 
     def add(self, keys: torch.Tensor, grads: torch.Tensor) -> None:
         self.parts.append((keys, grads))
         self.cached = None
 
+    def expect(self) -> None:
+        """A forward that will have a backward fetched rows."""
+        self.expected += 1
+
+    def complete(self) -> bool:
+        """Every expected backward has added its gradients."""
+        return self.expected == len(self.parts)
+
     def clear(self) -> None:
         self.parts = []
         self.cached = None
+        self.expected = 0
 
     def summed(self, scale: float, dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per table: (distinct rows of its range, their gradients summed, times `scale`); the same
@@ -77,22 +87,62 @@ def serve(keys: torch.Tensor, span: int, tables: list[torch.Tensor]) -> torch.Te
     return served
 
 
-def route(ids: torch.Tensor, chunks: torch.Tensor, span: int, world: int, group) -> Routed:
-    """Collective: send each lookup of `ids` [tables, samples] to the rank owning its row (row r of
-    table t lives on rank r // chunks[t]); each as one key, table x `span` + row of the range."""
-    tables = ids.shape[0]
-    owner = ids // chunks.unsqueeze(1)
-    table = torch.arange(tables, device=ids.device).unsqueeze(1)
-    keys = (table * span + ids - owner * chunks.unsqueeze(1)).reshape(-1)
-    flat_owner = owner.reshape(-1)
-    order = torch.argsort(flat_owner, stable=True)
-    sent = torch.bincount(flat_owner, minlength=world)
-    received = torch.empty_like(sent)
-    dist.all_to_all_single(received, sent, group=group)
-    sent_list, received_list = sent.tolist(), received.tolist()
-    served = keys.new_empty(sum(received_list))
-    dist.all_to_all_single(served, keys[order], received_list, sent_list, group=group)
-    return Routed(order, sent_list, received_list, served)
+class Router:
+    """Sends each lookup of `ids` [tables, samples] to the rank owning its row (row r of table t
+    lives on rank r // chunks[t]), as one key: table x `span` + row of the owner's range.
+
+    One all-to-all where it can: each rank's keys to each owner go in a box of a fixed capacity,
+    behind a header of two numbers — how many keys the box holds, and the most this rank sends
+    any owner. Every rank gets every rank's header, so all of them know the largest need alike:
+    if a box was too small they all send the keys again with the counts now known (a second
+    all-to-all), and every rank sets the next capacity from the same number, a little above it."""
+
+    def __init__(self, chunks: torch.Tensor, span: int, world: int, group):
+        self.chunks, self.span, self.world, self.group = chunks.unsqueeze(1), span, world, group
+        self.capacity = 0
+
+    def _keys(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(owner, key) of every lookup of `ids` [tables, samples], flattened."""
+        owner = ids // self.chunks
+        table = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+        return owner.reshape(-1), (table * self.span + ids - owner * self.chunks).reshape(-1)
+
+    def known(self, everyone: list[torch.Tensor], me: int) -> Routed:
+        """No collective: every rank's lookups are known here (`everyone`, this rank's at `me`), so
+        each side of every exchange is too. A rank sends an owner its keys in their own order
+        (a stable sort by owner), which is the order they are picked out here."""
+        flat_owner, _ = self._keys(everyone[me])
+        sent = torch.bincount(flat_owner, minlength=self.world).tolist()
+        served = []
+        for ids in everyone:
+            owner, keys = self._keys(ids)
+            served.append(keys[owner == me])
+        return Routed(torch.argsort(flat_owner, stable=True), sent, [len(k) for k in served], torch.cat(served))
+
+    def route(self, ids: torch.Tensor) -> Routed:
+        """Collective over the group."""
+        flat_owner, keys = self._keys(ids)
+        order = torch.argsort(flat_owner, stable=True)
+        keys = keys[order]
+        sent = torch.bincount(flat_owner, minlength=self.world)
+        most, capacity = int(sent.max()) if len(keys) else 0, self.capacity
+        box = keys.new_zeros(self.world, 2 + capacity)
+        box[:, 0], box[:, 1] = sent, most
+        if most <= capacity:
+            starts = torch.cumsum(sent, 0) - sent
+            owners = flat_owner[order]
+            box[owners, 2 + torch.arange(len(keys), device=keys.device) - starts[owners]] = keys
+        got = torch.empty_like(box)
+        dist.all_to_all_single(got, box, group=self.group)
+        received, needed = got[:, 0], int(got[:, 1].max())
+        self.capacity = needed + needed // 8 + 8  # the same on every rank: every rank's need is known
+        if needed <= capacity:
+            served = got[:, 2:][torch.arange(capacity, device=got.device).unsqueeze(0) < received.unsqueeze(1)]
+            return Routed(order, sent.tolist(), received.tolist(), served)
+        sent_list, received_list = sent.tolist(), received.tolist()
+        served = keys.new_empty(sum(received_list))
+        dist.all_to_all_single(served, keys, received_list, sent_list, group=self.group)
+        return Routed(order, sent_list, received_list, served)
 
 
 def _answer(values: torch.Tensor, routed: Routed, group, backward: bool) -> torch.Tensor:

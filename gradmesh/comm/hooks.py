@@ -13,12 +13,26 @@ reaches the same verdict from its own gradients, with no collective of its own.
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradmesh.comm.reducer import Reducer
+
+
+class Rider(Protocol):
+    """A few values that travel summed with the step's last gradient bucket, where they would
+    otherwise need an all-reduce of their own (the sharded tables' squared gradient norm)."""
+
+    def ask(self) -> torch.Tensor | None:
+        """This rank's values, or None (every rank alike) when they are not ready."""
+        ...
+
+    def take(self, summed: torch.Tensor) -> None:
+        """Their sum over the ranks."""
+        ...
 
 
 @dataclass
@@ -29,6 +43,8 @@ class HookState:
     """id(parameter) -> its name in the plain model: a bucket's parts, for per-parameter state."""
     poison: torch.Tensor | None = None
     """This step's loss × 0 (see above); None: nothing to carry."""
+    rider: Rider | None = None
+    """Values summed with the last bucket (a plain reducer only: a compressed one would not keep them)."""
 
 
 def _reduce_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -36,7 +52,25 @@ def _reduce_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     buffer = bucket.buffer()
     if bucket.index() == 0 and state.poison is not None and buffer.numel():
         buffer[:1].add_(state.poison.to(buffer.dtype))  # x + 0 == x; NaN where the loss was not finite
-    return state.reducer.reduce(buffer, state.group, parts)
+    extra = state.rider.ask() if state.rider is not None and bucket.is_last() else None
+    if extra is None:
+        return state.reducer.reduce(buffer, state.group, parts)
+    return _with_rider(state, buffer, parts, extra)
+
+
+def _with_rider(state: HookState, buffer: torch.Tensor, parts: list, extra: torch.Tensor):
+    size, ranks = buffer.numel(), state.group.size()
+    rider = state.rider
+    assert rider is not None  # asked above
+    combined = torch.cat([buffer, extra.to(buffer.dtype)])
+    future = state.reducer.reduce(combined, state.group, [*parts, ("rider", tuple(extra.shape))])
+
+    def split(done) -> torch.Tensor:
+        value = done.value()
+        rider.take(value[size:] * ranks)  # the reducer averages; the rider's values are sums
+        return value[:size]
+
+    return future.then(split)
 
 
 def register(model: DistributedDataParallel, reducer: Reducer) -> DistributedDataParallel:

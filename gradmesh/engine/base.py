@@ -199,6 +199,14 @@ class Engine:
 
         clip_gradients(self.model, max_norm)
 
+    def show_every_share(self, data, everyone: list) -> None:
+        """Every data-parallel rank's inputs of the coming micro-batch, this rank's as `data` (the
+        plan's `Strategy.every_share`)."""
+        everyone[self.topology.dp_rank] = data
+        for row in self.plan.rows:
+            if row.every_share:
+                load(row.every_share)(self.model, everyone, self.topology.dp_rank)
+
     def sync(self, last_micro_batch: bool):
         return gradient_sync(self.model, self.topology, self.plan, self.options, last_micro_batch)
 

@@ -13,22 +13,38 @@ from gradmesh.engine.base import Engine, StepProbe, to_device
 
 
 class CollectiveEngine(Engine):
-    def micro_batches(self, batch: GlobalBatch) -> list[tuple[list[int], float]]:
-        """(indices, weight per sample) for each micro-batch this rank runs."""
+    def micro_batches(self, batch: GlobalBatch, rank: int | None = None) -> list[tuple[list[int], float]]:
+        """(indices, weight per sample) for each micro-batch data-parallel rank `rank` (this one
+        by default) runs."""
         topo = self.topology
         weight = self.weight / batch.size
-        runs = [(m, weight) for m in batch.share(topo.dp_rank, topo.dp_size, self.job.train.grad_accum) if m]
+        share = batch.share(topo.dp_rank if rank is None else rank, topo.dp_size, self.job.train.grad_accum)
+        runs = [(m, weight) for m in share if m]
         # A rank whose share is empty (end of an epoch) still joins the gradient all-reduce:
         # it runs one sample at weight 0.
         return runs or [([batch.indices[0]], 0.0)]
 
+    def runs(self, batch: GlobalBatch) -> tuple[list[tuple[list[int], float]], list[list[list[int]]] | None]:
+        """This rank's micro-batches and, where the plan reads every rank's share of each
+        (`Plan.reads_every_share`), every data-parallel rank's indices per micro-batch, with each
+        rank's micro-batches made as many as the most any rank runs (a forward there is a
+        collective; the extra ones are one sample at weight 0). None elsewhere."""
+        if not self.plan.reads_every_share:
+            return self.micro_batches(batch), None
+        everyone = [self.micro_batches(batch, rank) for rank in range(self.topology.dp_size)]
+        most = max(len(runs) for runs in everyone)
+        padded = [runs + [([batch.indices[0]], 0.0)] * (most - len(runs)) for runs in everyone]
+        return padded[self.topology.dp_rank], [[runs[i][0] for runs in padded] for i in range(most)]
+
     def forward_backward(self, batch: GlobalBatch, probe: StepProbe):
-        runs = self.micro_batches(batch)
+        runs, every = self.runs(batch)
         loss_sum, counted, used = torch.zeros((), device=self.topology.device), 0, []
         clock = probe.clock
         for i, (indices, weight) in enumerate(runs):
             with clock.phase("data"):
                 data = to_device(fetch(self.job.dataset, indices), self.topology.device)
+                if every is not None:
+                    self.show_every_share(data, [fetch(self.job.dataset, share) for share in every[i]])
             with self.sync(last_micro_batch=i == len(runs) - 1):
                 with clock.phase("forward"), probe.around_forward(len(indices) if i == 0 else 0):
                     losses = self.job.loss_fn(self.model, data)

@@ -161,6 +161,7 @@ ROWS = (
         wire_bytes=lambda size, n: 2 * _ring(n) * FP32 * (size.params - size.table_params),
         cost="gradmesh.plan.costs:tables",
         optimizer="gradmesh.parallel.tables:tables_optimizer",
+        every_share="gradmesh.parallel.tables:show_every_share",
         checks=(check_tables,),
         shards_tables=True,
     ),

@@ -86,6 +86,12 @@ class Strategy:
     """Its gradients are reduced outside the job's reducer (FSDP2 reduce-scatters them at its
     reduce dtype), so of the --compression methods its engine family takes (the compressor
     registry, `gradmesh.config.compression`) only a plain cast applies."""
+    every_share: str | None = None
+    """(model, every data-parallel rank's inputs of the coming micro-batch, this rank's index):
+    the global order lets every rank read every share of a batch, and a strategy that asks is
+    shown them before each micro-batch (the collective engine's ranks then run as many
+    micro-batches each). `tables`: each owner knows which of its rows every rank will look up,
+    with no exchange of ids."""
     shards_tables: bool = False
     """The model's sparse tables are split by rows over the ranks, each making its own rows
     (`model.init_rows`): the workload keeps its whole tables on the meta device."""

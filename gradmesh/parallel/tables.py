@@ -26,7 +26,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from gradmesh.comm.exchange import Fetch, RowGradients, all_reduce_sum, route, serve
+from gradmesh.comm import hooks
+from gradmesh.comm.exchange import Fetch, Routed, Router, RowGradients, all_reduce_sum, serve
 from gradmesh.errors import UsageError
 from gradmesh.mesh import DP_AXIS
 from gradmesh.optim import rowwise_adagrad
@@ -51,8 +52,13 @@ class ShardedTables:
         self.rows = torch.tensor([table.num_embeddings for table in self.tables], device=topology.device)
         self.span = max(chunks)
         self.pending = RowGradients(len(self.tables), self.span)
+        self.router = Router(self.chunks, self.span, self.ranks, self.group)
         self.anchor = torch.zeros((), requires_grad=True)
+        self.args: tuple = ()
         self.outputs: list[torch.Tensor] = []
+        self.carried: torch.Tensor | None = None
+        self.shares: list | None = None
+        self.me = topology.dp_rank
         for index, table in enumerate(self.tables):
             self._shard(model, index, table, topology, chunks[index])
         model.register_forward_pre_hook(self._before_forward)
@@ -85,14 +91,42 @@ class ShardedTables:
         return weight.to_local() if isinstance(weight, DTensor) else weight
 
     def _before_forward(self, model: nn.Module, args: tuple) -> None:
-        lookups = [ids.reshape(-1) for ids in model.lookups(*args)]  # type: ignore[operator]
-        ids = torch.stack(lookups).to(self.chunks.device)
-        self._check_ids(ids)
-        routed = route(ids, self.chunks, self.span, self.ranks, self.group)
+        self.model, self.args, self.outputs = cast(SparseModel, model), args, []
+
+    def _exchange(self) -> None:
+        """On the first table's call, not before the forward: the exchange's node in the autograd
+        graph then comes after the layers the model ran first (the bottom MLP), so backward
+        reaches it — and the rows' gradients their owners — before the dense gradients are
+        complete, and the tables' squared norm can travel with DDP's last bucket (`ask`)."""
+        ids = self._ids(self.args)
+        routed = self._known_route(ids) if self.shares is not None else None
+        self.shares = None
+        if routed is None:
+            routed = self.router.route(ids)
         with torch.no_grad():
             served = serve(routed.keys, self.span, [self.local(t) for t in range(len(self.tables))])
+        if torch.is_grad_enabled():  # a backward will bring this exchange's gradients
+            self.pending.expect()
         rows = Fetch.apply(self.anchor, served, routed, self.group, self.pending)
         self.outputs = list(rows.view(len(self.tables), ids.shape[1], -1).unbind(0))
+
+    def _ids(self, args: tuple) -> torch.Tensor:
+        ids = torch.stack([ids.reshape(-1) for ids in self.model.lookups(*args)]).to(self.chunks.device)
+        self._check_ids(ids)
+        return ids
+
+    def _known_route(self, ids: torch.Tensor) -> Routed | None:
+        """Every rank's lookups from every rank's inputs (`show_every_share`), where this forward's
+        inputs are found among this rank's (by identity: the same on every rank)."""
+        assert self.shares is not None
+        mine = self.shares[self.me]
+        places = [next((k for k, item in enumerate(mine) if item is arg), None) for arg in self.args]
+        if None in places:
+            return None
+        everyone = [
+            ids if r == self.me else self._ids(tuple(share[k] for k in places)) for r, share in enumerate(self.shares)
+        ]
+        return self.router.known(everyone, self.me)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         """Here, not on the owner: a bad id must fail on the rank whose batch holds it."""
@@ -104,6 +138,8 @@ class ShardedTables:
             raise ValueError(f"table {table} looked up an id outside [0, {int(self.rows[table])})")
 
     def _output(self, index: int, ids: torch.Tensor) -> torch.Tensor:
+        if not self.outputs:
+            self._exchange()
         found = self.outputs[index]
         return found.view(*ids.shape, found.shape[-1])
 
@@ -114,12 +150,26 @@ class ShardedTables:
         weighted so that the average over ranks is the batch's gradient (as DDP averages)."""
         return self.pending.summed(1.0 / self.ranks, self.tables[0].embedding_dim)
 
-    def grad_norm_sq(self) -> torch.Tensor:
-        """Collective: the squared norm of the tables' gradients, every rank's rows."""
+    def _local_norm_sq(self) -> torch.Tensor:
         local = torch.zeros((), dtype=torch.float64, device=self.chunks.device)
         for _, grads in self.summed():
             local += grads.double().pow(2).sum()
-        return all_reduce_sum(local, self.group)
+        return local
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Collective unless DDP's last bucket carried it: the squared norm of the tables'
+        gradients, every rank's rows."""
+        if self.carried is not None:
+            return self.carried
+        return all_reduce_sum(self._local_norm_sq(), self.group)
+
+    def ask(self) -> torch.Tensor | None:
+        """DDP's last bucket asks (`gradmesh.comm.hooks.Rider`): every exchange of this step has
+        had its backward (the same on every rank: the same model, the same autograd order)."""
+        return self._local_norm_sq().reshape(1) if self.pending.complete() else None
+
+    def take(self, summed: torch.Tensor) -> None:
+        self.carried = summed.reshape(())
 
     def scale_grads(self, coef: float) -> None:
         for _, grads in self.summed():
@@ -140,7 +190,11 @@ class ShardedTables:
             rowwise_adagrad(values, grads, sums, group.get("table_lr", group["lr"]) * schedule)
             local[rows], accumulator[rows] = values, sums
             state["step"] += 1
+        self.clear()
+
+    def clear(self) -> None:
         self.pending.clear()
+        self.carried = None
 
 
 def holders(model: nn.Module) -> list[ShardedTables]:
@@ -156,7 +210,16 @@ def apply_tables(model: nn.Module, topology: Topology, options: ApplyOptions) ->
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     wrapped = apply_ddp(model, topology, options)
     tables.tag()
+    state = hooks.state_of(wrapped)
+    if state is not None and options.compression == "none":  # a compressed bucket would not keep the norm
+        state.rider = tables
     return wrapped
+
+
+def show_every_share(model: nn.Module, everyone: list, me: int) -> None:
+    """Before a micro-batch (`Strategy.every_share`): every rank's inputs, kept for its forward."""
+    for tables in holders(model):
+        tables.shares = everyone
 
 
 def tables_optimizer(params, topology: Topology, optimizer_class, **kwargs) -> torch.optim.Optimizer:
@@ -178,7 +241,7 @@ def tables_optimizer(params, topology: Topology, optimizer_class, **kwargs) -> t
         def zero_grad(self, set_to_none: bool = True) -> None:
             super().zero_grad(set_to_none)
             for tables in self._sharded():
-                tables.pending.clear()
+                tables.clear()
 
     ShardedRows.__name__ = ShardedRows.__qualname__ = f"ShardedRows{optimizer_class.__name__}"
     return ShardedRows(params, **kwargs)

@@ -197,9 +197,9 @@ def hybrid(step: Step, ranks: int) -> None:
 
 
 def tables(step: Step, ranks: int) -> None:
-    """The dense part as ddp over every rank; each micro-batch's lookups cross to their rows'
-    owners and back (counts, ids, rows, and in backward the rows' gradients: four all-to-alls,
-    (N-1)/N of the lookups remote), and each rank steps the touched rows of its ranges."""
+    """The dense part as ddp over every rank; each micro-batch's rows come from their owners and
+    their gradients go back (two all-to-alls: every rank knows every share's ids, so no ids
+    travel), (N-1)/N of the lookups remote, and each rank steps the touched rows of its ranges."""
     options = step.options
     dense = step.params - options.table_params
     calls = _buckets(dense) * step.grad_calls
@@ -208,9 +208,7 @@ def tables(step: Step, ranks: int) -> None:
         return
     step.tables_remote = True
     remote = step.micro_samples * options.rows_per_sample * (ranks - 1) / ranks
-    exchange = [remote * 16, remote * options.row_bytes, remote * options.row_bytes]  # ids as (table, row)
-    per_micro = sum(step.network.time("p2p", nbytes, 2) for nbytes in [8.0 * ranks, *exchange])
-    step.add("comm", step.micro * per_micro)
+    step.add("comm", step.micro * 2 * step.network.time("p2p", remote * options.row_bytes, 2))
     touched = min(step.micro_samples * step.micro * ranks * options.rows_per_sample, options.table_rows) / ranks
     step.optimizer(dense + touched * options.row_bytes / FP32)
 
