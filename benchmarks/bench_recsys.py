@@ -8,7 +8,10 @@ rows the batch touched. Per size: samples/s (median step time after the first `-
 steps), the bytes each rank sends per step (what the reducer all-reduces, times the ring's
 2(n-1)/n, beside the formula 2(n-1)/n x 4P), the rows a step actually touches (what a
 parameter server would move instead), and each rank's peak memory beside the tables' bytes.
-The same for ps sync, 1 and 2 servers + 2 workers (`--strategy ps`, the tables row-sharded on
+The same for tables on 2 ranks (`--strategy tables`: each rank holds half of every table's rows,
+the rows a batch looks up and their gradients cross by all-to-all; bytes are what rank 0 hands
+its collectives: the dense gradient to the all-reduce and the rows and gradients it sends the
+other rank), ps sync, 1 and 2 servers + 2 workers (`--strategy ps`, the tables row-sharded on
 the servers), and hybrid sync, 1 and 2 servers + 2 workers (`--strategy hybrid`: the tables on the servers,
 the dense layers all-reduced between the workers): bytes are what every rank sent per step (the
 `wire_bytes` column of metrics.jsonl; hybrid's all-reduce counted as the buffer handed to it).
@@ -115,8 +118,10 @@ def measure(rows: int, way: tuple[str, int], args) -> dict:
     steady = found[args.warmup:]
     step_s = statistics.median(r["step_time_s"] for r in steady)
     ring = 2 * (2 - 1) / 2
-    sent = (statistics.median(r["wire_bytes"] for r in steady) if strategy != "ddp"
-            else statistics.median(r["breakdown"]["comm_bytes"][0] for r in steady) * ring)
+    if strategy in ("ddp", "tables"):  # collectives: what rank 0 hands them (ddp's all-reduce: x the ring's share)
+        sent = statistics.median(r["breakdown"]["comm_bytes"][0] for r in steady) * (ring if strategy == "ddp" else 1)
+    else:
+        sent = statistics.median(r["wire_bytes"] for r in steady)
     return {"rows": rows, "strategy": strategy + (f", {servers} server{'s' * (servers > 1)}" if servers else ""),
             "samples_per_s": BATCH / step_s, "step_s": step_s, "sent_bytes": sent,
             "formula_bytes": ring * 4 * params(rows), "table_bytes": 4 * rows * DIM,
@@ -132,7 +137,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="total table rows (default 10^5 10^6 10^7)")
     parser.add_argument("--servers", type=int, nargs="+", default=(1, 2), help="parameter servers (default 1 and 2)")
     args = parser.parse_args()
-    ways = [("ddp", 0)] + [(name, servers) for servers in args.servers for name in ("ps", "hybrid")]
+    ways = [("ddp", 0), ("tables", 0)] + [(name, servers) for servers in args.servers for name in ("ps", "hybrid")]
     result = [measure(rows, way, args) for rows in args.sizes for way in ways]
     table = Table(title="recsys, ddp on 2 ranks (dense table gradients), ps and hybrid sync (1 server + 2 workers), "
                         "batch 512")

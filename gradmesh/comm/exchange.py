@@ -15,9 +15,12 @@ from the strategy, as every other collective of gradmesh is.
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gradmesh.comm.reducer import CommCounter
 
 
 @dataclass
@@ -34,14 +37,28 @@ class Routed:
     """Every lookup this rank serves, in arrival order, as table x `span` + row of its range."""
 
 
+@dataclass
+class Link:
+    """Where an exchange runs: the group, this rank's place in it, and the step's count of bytes
+    sent (`gradmesh.comm.reducer.CommCounter`; what crosses to other ranks), if one is kept."""
+
+    group: Any
+    me: int
+    counter: CommCounter | None = None
+
+    def count(self, splits: list[int], row_bytes: int) -> None:
+        if self.counter is not None:
+            self.counter.add((sum(splits) - splits[self.me]) * row_bytes)
+
+
 class RowGradients:
     """A rank's pending table gradients: (keys, rows' gradients) per backward, summed per distinct
     row when the step asks (`summed`), dropped by `clear`."""
 
-    def __init__(self, tables: int, span: int):
-        self.tables, self.span = tables, span
+    def __init__(self, dim: int):
+        self.dim = dim
         self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.cached: tuple[torch.Tensor, torch.Tensor] | None = None
         self.expected = 0
 
     def add(self, keys: torch.Tensor, grads: torch.Tensor) -> None:
@@ -61,30 +78,18 @@ class RowGradients:
         self.cached = None
         self.expected = 0
 
-    def summed(self, scale: float, dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per table: (distinct rows of its range, their gradients summed, times `scale`); the same
-        tensors until `add` or `clear` (a clip scales them in place before the step reads them)."""
+    def summed(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(distinct keys, their gradients summed, times `scale`); the same tensors until `add` or
+        `clear` (a clip scales them in place before the step reads them)."""
         if self.cached is None:
             if self.parts:
                 keys, grads = torch.cat([k for k, _ in self.parts]), torch.cat([g for _, g in self.parts])
             else:
-                keys, grads = torch.zeros(0, dtype=torch.long), torch.zeros(0, dim)
-            distinct, inverse = torch.unique(keys, return_inverse=True)  # sorted: by table, then row
+                keys, grads = torch.zeros(0, dtype=torch.long), torch.zeros(0, self.dim)
+            distinct, inverse = torch.unique(keys, return_inverse=True)
             total = grads.new_zeros(len(distinct), grads.shape[1]).index_add_(0, inverse, grads).mul_(scale)
-            counts = torch.bincount(distinct // self.span, minlength=self.tables).tolist()
-            self.cached = list(zip((distinct % self.span).split(counts), total.split(counts)))
+            self.cached = distinct, total
         return self.cached
-
-
-def serve(keys: torch.Tensor, span: int, tables: list[torch.Tensor]) -> torch.Tensor:
-    """The rows `keys` ask for (table x span + row), from each table's local rows."""
-    table = keys // span
-    order = torch.argsort(table, stable=True)
-    counts = torch.bincount(table, minlength=len(tables)).tolist()
-    parts = [rows.index_select(0, wanted) for rows, wanted in zip(tables, (keys[order] % span).split(counts))]
-    served = torch.empty(len(keys), tables[0].shape[1], dtype=tables[0].dtype, device=keys.device)
-    served[order] = torch.cat(parts)
-    return served
 
 
 class Router:
@@ -97,8 +102,9 @@ class Router:
     if a box was too small they all send the keys again with the counts now known (a second
     all-to-all), and every rank sets the next capacity from the same number, a little above it."""
 
-    def __init__(self, chunks: torch.Tensor, span: int, world: int, group):
-        self.chunks, self.span, self.world, self.group = chunks.unsqueeze(1), span, world, group
+    def __init__(self, chunks: torch.Tensor, span: int, world: int, link: Link):
+        self.chunks, self.span, self.world, self.link = chunks.unsqueeze(1), span, world, link
+        self.group = link.group
         self.capacity = 0
 
     def _keys(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,6 +140,7 @@ class Router:
             box[owners, 2 + torch.arange(len(keys), device=keys.device) - starts[owners]] = keys
         got = torch.empty_like(box)
         dist.all_to_all_single(got, box, group=self.group)
+        self.link.count([box.shape[1]] * self.world, box.element_size())
         received, needed = got[:, 0], int(got[:, 1].max())
         self.capacity = needed + needed // 8 + 8  # the same on every rank: every rank's need is known
         if needed <= capacity:
@@ -142,14 +149,16 @@ class Router:
         sent_list, received_list = sent.tolist(), received.tolist()
         served = keys.new_empty(sum(received_list))
         dist.all_to_all_single(served, keys, received_list, sent_list, group=self.group)
+        self.link.count(sent_list, keys.element_size())
         return Routed(order, sent_list, received_list, served)
 
 
-def _answer(values: torch.Tensor, routed: Routed, group, backward: bool) -> torch.Tensor:
+def _answer(values: torch.Tensor, routed: Routed, link: Link, backward: bool) -> torch.Tensor:
     """Rows (forward: owners -> askers) or their gradients (backward: askers -> owners)."""
     out_splits, in_splits = (routed.received, routed.sent) if backward else (routed.sent, routed.received)
     out = values.new_empty(sum(out_splits), values.shape[1])
-    dist.all_to_all_single(out, values.contiguous(), out_splits, in_splits, group=group)
+    dist.all_to_all_single(out, values.contiguous(), out_splits, in_splits, group=link.group)
+    link.count(in_splits, values.shape[1] * values.element_size())
     return out
 
 
@@ -159,9 +168,9 @@ class Fetch(torch.autograd.Function):
     grad) only makes autograd call the backward; it gets no gradient."""
 
     @staticmethod
-    def forward(ctx, anchor, served_rows, routed, group, pending):
-        ctx.routed, ctx.group, ctx.pending = routed, group, pending
-        arrived = _answer(served_rows, routed, group, backward=False)
+    def forward(ctx, anchor, served_rows, routed, link, pending):
+        ctx.routed, ctx.link, ctx.pending = routed, link, pending
+        arrived = _answer(served_rows, routed, link, backward=False)
         rows = torch.empty_like(arrived)
         rows[routed.order] = arrived
         return rows
@@ -169,7 +178,7 @@ class Fetch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         routed = ctx.routed
-        grads = _answer(grad[routed.order], routed, ctx.group, backward=True)
+        grads = _answer(grad[routed.order], routed, ctx.link, backward=True)
         ctx.pending.add(routed.keys, grads)
         return None, None, None, None, None
 

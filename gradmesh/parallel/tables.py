@@ -23,18 +23,18 @@ from typing import cast
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from gradmesh.comm import hooks
-from gradmesh.comm.exchange import Fetch, Routed, Router, RowGradients, all_reduce_sum, serve
+from gradmesh.comm.exchange import Fetch, Link, Routed, Router, RowGradients, all_reduce_sum
+from gradmesh.comm.reducer import CommCounter
 from gradmesh.errors import UsageError
 from gradmesh.mesh import DP_AXIS
-from gradmesh.optim import rowwise_adagrad
 from gradmesh.parallel.data import apply_ddp
 from gradmesh.parallel.options import ApplyOptions
 from gradmesh.parallel.ps import sparse_tables
 from gradmesh.parallel.sparse import SparseModel
+from gradmesh.parallel.table_rows import TableRows
 from gradmesh.topology import Topology
 
 ATTRIBUTE = "_gradmesh_tables"
@@ -44,51 +44,43 @@ ATTRIBUTE = "_gradmesh_tables"
 class ShardedTables:
     """This rank's row ranges of a model's sparse tables, the exchange, the pending gradients."""
 
-    def __init__(self, model: nn.Module, topology: Topology):
+    def __init__(self, model: nn.Module, topology: Topology, counter: CommCounter | None = None):
         self.tables = [table for _, table in sparse_tables(model)]
         self.group, self.ranks = topology.group(DP_AXIS), topology.dp_size
         chunks = [-(-table.num_embeddings // self.ranks) for table in self.tables]
         self.chunks = torch.tensor(chunks, device=topology.device)
         self.rows = torch.tensor([table.num_embeddings for table in self.tables], device=topology.device)
         self.span = max(chunks)
-        self.pending = RowGradients(len(self.tables), self.span)
-        self.router = Router(self.chunks, self.span, self.ranks, self.group)
+        self.pending = RowGradients(self.tables[0].embedding_dim)
+        self.link = Link(self.group, topology.dp_rank, counter)
+        self.router = Router(self.chunks, self.span, self.ranks, self.link)
         self.anchor = torch.zeros((), requires_grad=True)
         self.args: tuple = ()
         self.outputs: list[torch.Tensor] = []
         self.carried: torch.Tensor | None = None
         self.shares: list | None = None
         self.me = topology.dp_rank
-        for index, table in enumerate(self.tables):
-            self._shard(model, index, table, topology, chunks[index])
+        ranges = [
+            (min(self.me * c, t.num_embeddings), min((self.me + 1) * c, t.num_embeddings))
+            for c, t in zip(chunks, self.tables)
+        ]
+        assert topology.mesh is not None  # a started topology has its mesh
+        self.storage = TableRows(self.tables, ranges, self.span, topology.mesh[DP_AXIS], topology.device)
+        for index, (table, (low, high)) in enumerate(zip(self.tables, ranges)):
+            if table.weight.is_meta:
+                self.storage.place(index, cast(SparseModel, model).init_rows(index, low, high))
+            else:
+                self.storage.place(index, table.weight.detach()[low:high])
+            # Sharding as data: the module's forward reads the exchange's answer for its index.
+            table.forward = functools.partial(self._output, index)  # type: ignore[method-assign]
         model.register_forward_pre_hook(self._before_forward)
         setattr(model, ATTRIBUTE, self)
-
-    def _shard(self, model: nn.Module, index: int, table: nn.Embedding, topology: Topology, chunk: int) -> None:
-        rows, dim = table.num_embeddings, table.embedding_dim
-        low, high = min(topology.dp_rank * chunk, rows), min((topology.dp_rank + 1) * chunk, rows)
-        if table.weight.is_meta:
-            local = cast(SparseModel, model).init_rows(index, low, high)
-        else:
-            local = table.weight.detach()[low:high].clone()
-        assert topology.mesh is not None  # a started topology has its mesh
-        shape = torch.Size((rows, dim))
-        weight = DTensor.from_local(
-            local.to(topology.device), topology.mesh[DP_AXIS], [Shard(0)], run_check=False, shape=shape, stride=(dim, 1)
-        )
-        table.weight = nn.Parameter(weight)
-        # Sharding as data: the module's forward reads the exchange's answer for its index.
-        table.forward = functools.partial(self._output, index)  # type: ignore[method-assign]
 
     def tag(self) -> None:
         """Mark the table weights as this object's, for the optimizer to find: after any `.to()`,
         which gives a DTensor parameter a new object."""
         for table in self.tables:
             setattr(table.weight, ATTRIBUTE, self)
-
-    def local(self, index: int) -> torch.Tensor:
-        weight = self.tables[index].weight
-        return weight.to_local() if isinstance(weight, DTensor) else weight
 
     def _before_forward(self, model: nn.Module, args: tuple) -> None:
         self.model, self.args, self.outputs = cast(SparseModel, model), args, []
@@ -104,10 +96,10 @@ class ShardedTables:
         if routed is None:
             routed = self.router.route(ids)
         with torch.no_grad():
-            served = serve(routed.keys, self.span, [self.local(t) for t in range(len(self.tables))])
+            served = self.storage.serve(routed.keys)
         if torch.is_grad_enabled():  # a backward will bring this exchange's gradients
             self.pending.expect()
-        rows = Fetch.apply(self.anchor, served, routed, self.group, self.pending)
+        rows = Fetch.apply(self.anchor, served, routed, self.link, self.pending)
         self.outputs = list(rows.view(len(self.tables), ids.shape[1], -1).unbind(0))
 
     def _ids(self, args: tuple) -> torch.Tensor:
@@ -145,16 +137,13 @@ class ShardedTables:
 
     # -- the optimizer step's side -------------------------------------------------------------
 
-    def summed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per table: this rank's distinct touched rows and their gradient. Every rank's loss is
+    def summed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's distinct touched rows (as keys) and their gradient. Every rank's loss is
         weighted so that the average over ranks is the batch's gradient (as DDP averages)."""
-        return self.pending.summed(1.0 / self.ranks, self.tables[0].embedding_dim)
+        return self.pending.summed(1.0 / self.ranks)
 
     def _local_norm_sq(self) -> torch.Tensor:
-        local = torch.zeros((), dtype=torch.float64, device=self.chunks.device)
-        for _, grads in self.summed():
-            local += grads.double().pow(2).sum()
-        return local
+        return self.summed()[1].double().pow(2).sum().to(self.chunks.device)
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Collective unless DDP's last bucket carried it: the squared norm of the tables'
@@ -172,24 +161,11 @@ class ShardedTables:
         self.carried = summed.reshape(())
 
     def scale_grads(self, coef: float) -> None:
-        for _, grads in self.summed():
-            grads.mul_(coef)
+        self.summed()[1].mul_(coef)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Row-wise Adagrad on the touched rows, at the group's table_lr times its schedule."""
-        for index, (rows, grads) in enumerate(self.summed()):
-            weight = self.tables[index].weight
-            group = next(g for g in optimizer.param_groups if any(p is weight for p in g["params"]))
-            schedule = group["lr"] / group["first_lr"] if group.get("first_lr") else 0.0
-            state = optimizer.state[weight]
-            if "sum" not in state:
-                state["sum"] = torch.zeros_like(weight[:, 0], memory_format=torch.contiguous_format)
-                state["step"] = torch.tensor(0.0)
-            local, accumulator = self.local(index), state["sum"].to_local()
-            values, sums = local[rows], accumulator[rows]
-            rowwise_adagrad(values, grads, sums, group.get("table_lr", group["lr"]) * schedule)
-            local[rows], accumulator[rows] = values, sums
-            state["step"] += 1
+        """Row-wise Adagrad on the touched rows (`TableRows.step`)."""
+        self.storage.step(optimizer, *self.summed())
         self.clear()
 
     def clear(self) -> None:
@@ -205,7 +181,7 @@ def holders(model: nn.Module) -> list[ShardedTables]:
 def apply_tables(model: nn.Module, topology: Topology, options: ApplyOptions) -> nn.Module:
     """The tables row-sharded over the data axis, the rest wrapped in DDP (which leaves the tables
     alone: their rows travel by the exchange)."""
-    tables = ShardedTables(model, topology)
+    tables = ShardedTables(model, topology, options.counter)
     names = [f"{name}.weight" for name, _ in sparse_tables(model)]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     wrapped = apply_ddp(model, topology, options)
@@ -248,8 +224,12 @@ def tables_optimizer(params, topology: Topology, optimizer_class, **kwargs) -> t
 
 
 def check_tables(cfg, mesh: dict[str, int], meta_model) -> None:
-    if not sparse_tables(meta_model()):
+    tables = sparse_tables(meta_model())
+    if not tables:
         raise UsageError(
             f"--strategy tables shards a model's sparse embedding tables, and --model {cfg.model.name} declares none; "
             "use it with --model recsys, or choose ddp, zero1 or fsdp"
         )
+    dims = sorted({table.embedding_dim for _, table in tables})
+    if len(dims) > 1:  # one tensor holds every table's rows (gradmesh.parallel.table_rows)
+        raise UsageError(f"--strategy tables needs sparse tables of one width; this model's are {dims} wide")
