@@ -27,14 +27,15 @@ from gradmesh.comm.reducer import CommCounter
 class Routed:
     """One forward's exchange: who asked whom for what."""
 
-    order: torch.Tensor
-    """Permutation of this rank's flattened [tables x samples] lookups into owner order."""
+    inverse: torch.Tensor
+    """For each of this rank's flattened [tables x samples] lookups, its place among the distinct
+    keys it sent (by owner, then key): a row asked for twice crosses once."""
     sent: list[int]
-    """Lookups sent to each owner."""
+    """Distinct keys sent to each owner."""
     received: list[int]
-    """Lookups received from each rank."""
+    """Distinct keys received from each rank."""
     keys: torch.Tensor
-    """Every lookup this rank serves, in arrival order, as table x `span` + row of its range."""
+    """Every key this rank serves, in arrival order, as table x `span` + row of its range."""
 
 
 @dataclass
@@ -113,30 +114,34 @@ class Router:
         table = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
         return owner.reshape(-1), (table * self.span + ids - owner * self.chunks).reshape(-1)
 
+    def _distinct(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(distinct keys to send, sorted by owner then key; how many to each owner; each lookup's
+        place among them)."""
+        owner, keys = self._keys(ids)
+        space = self.span * ids.shape[0]
+        found, inverse = torch.unique(owner * space + keys, return_inverse=True)
+        return found % space, torch.bincount(found // space, minlength=self.world), inverse
+
     def known(self, everyone: list[torch.Tensor], me: int) -> Routed:
         """No collective: every rank's lookups are known here (`everyone`, this rank's at `me`), so
-        each side of every exchange is too. A rank sends an owner its keys in their own order
-        (a stable sort by owner), which is the order they are picked out here."""
-        flat_owner, _ = self._keys(everyone[me])
-        sent = torch.bincount(flat_owner, minlength=self.world).tolist()
+        each side of every exchange is too: what a rank sends an owner is its distinct keys of
+        that owner's rows, in order, which is what is picked out here."""
+        _, sent, inverse = self._distinct(everyone[me])
         served = []
         for ids in everyone:
             owner, keys = self._keys(ids)
-            served.append(keys[owner == me])
-        return Routed(torch.argsort(flat_owner, stable=True), sent, [len(k) for k in served], torch.cat(served))
+            served.append(torch.unique(keys[owner == me]))
+        return Routed(inverse, sent.tolist(), [len(k) for k in served], torch.cat(served))
 
     def route(self, ids: torch.Tensor) -> Routed:
         """Collective over the group."""
-        flat_owner, keys = self._keys(ids)
-        order = torch.argsort(flat_owner, stable=True)
-        keys = keys[order]
-        sent = torch.bincount(flat_owner, minlength=self.world)
+        keys, sent, inverse = self._distinct(ids)
         most, capacity = int(sent.max()) if len(keys) else 0, self.capacity
         box = keys.new_zeros(self.world, 2 + capacity)
         box[:, 0], box[:, 1] = sent, most
         if most <= capacity:
             starts = torch.cumsum(sent, 0) - sent
-            owners = flat_owner[order]
+            owners = torch.repeat_interleave(torch.arange(self.world, device=keys.device), sent)
             box[owners, 2 + torch.arange(len(keys), device=keys.device) - starts[owners]] = keys
         got = torch.empty_like(box)
         dist.all_to_all_single(got, box, group=self.group)
@@ -145,12 +150,12 @@ class Router:
         self.capacity = needed + needed // 8 + 8  # the same on every rank: every rank's need is known
         if needed <= capacity:
             served = got[:, 2:][torch.arange(capacity, device=got.device).unsqueeze(0) < received.unsqueeze(1)]
-            return Routed(order, sent.tolist(), received.tolist(), served)
+            return Routed(inverse, sent.tolist(), received.tolist(), served)
         sent_list, received_list = sent.tolist(), received.tolist()
         served = keys.new_empty(sum(received_list))
         dist.all_to_all_single(served, keys, received_list, sent_list, group=self.group)
         self.link.count(sent_list, keys.element_size())
-        return Routed(order, sent_list, received_list, served)
+        return Routed(inverse, sent_list, received_list, served)
 
 
 def _answer(values: torch.Tensor, routed: Routed, link: Link, backward: bool) -> torch.Tensor:
@@ -164,22 +169,19 @@ def _answer(values: torch.Tensor, routed: Routed, link: Link, backward: bool) ->
 
 class Fetch(torch.autograd.Function):
     """Forward: the rows of `routed`'s lookups, [tables x samples, dim] in the asker's order.
-    Backward: their gradients to the owners' `RowGradients`. `anchor` (a leaf that requires
+    Backward: their gradients, summed per distinct key, to the owners' `RowGradients`. `anchor` (a leaf that requires
     grad) only makes autograd call the backward; it gets no gradient."""
 
     @staticmethod
     def forward(ctx, anchor, served_rows, routed, link, pending):
         ctx.routed, ctx.link, ctx.pending = routed, link, pending
-        arrived = _answer(served_rows, routed, link, backward=False)
-        rows = torch.empty_like(arrived)
-        rows[routed.order] = arrived
-        return rows
+        return _answer(served_rows, routed, link, backward=False).index_select(0, routed.inverse)
 
     @staticmethod
     def backward(ctx, grad):
         routed = ctx.routed
-        grads = _answer(grad[routed.order], routed, ctx.link, backward=True)
-        ctx.pending.add(routed.keys, grads)
+        distinct = grad.new_zeros(sum(routed.sent), grad.shape[1]).index_add_(0, routed.inverse, grad)
+        ctx.pending.add(routed.keys, _answer(distinct, routed, ctx.link, backward=True))
         return None, None, None, None, None
 
 

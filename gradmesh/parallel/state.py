@@ -34,7 +34,8 @@ def model_state_bytes(model: nn.Module, optimizer) -> int:
         nonlocal total
         if not isinstance(tensor, torch.Tensor):
             return
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        # a DTensor's local part, read without the autograd function `to_local` runs (every step)
+        local = getattr(tensor, "_local_tensor", tensor)
         key = (local.data_ptr(), local.numel())
         if local.numel() and key not in seen:
             seen.add(key)

@@ -42,15 +42,18 @@ def clip_grad_norm(parameters, max_norm: float, held_apart=()) -> torch.Tensor:
     tables' rows, `gradmesh.parallel.tables.ShardedTables`), counted and scaled alike.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    squares = []
-    for grad in grads:
-        norm = torch.linalg.vector_norm(grad)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    plain = [grad for grad in grads if not isinstance(grad, DTensor)]
+    sharded = [grad for grad in grads if isinstance(grad, DTensor)]
+    squares = [torch.stack(torch._foreach_norm(plain)).pow(2).sum()] if plain else []
+    for grad in sharded:
+        squares.append(torch.linalg.vector_norm(grad).full_tensor() ** 2)
     squares += [holder.grad_norm_sq().to(torch.float32) for holder in held_apart]
     total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in grads:
-        grad.mul_(coef.item() if isinstance(grad, DTensor) else coef)
+    if plain:
+        torch._foreach_mul_(plain, coef)
+    for grad in sharded:
+        grad.mul_(coef.item())
     for holder in held_apart:
         holder.scale_grads(coef.item())
     return total
