@@ -66,13 +66,18 @@ def test_fsdp_row_gathers_each_unit_forward_and_all_but_the_root_backward():
 
 
 def test_fsdp_units_follow_the_sharding_plan():
+    """A block per unit where the blocks hold at least a unit's bytes (GPT-2 small's width: 28 MB
+    a block); below that (the default 4 x 128 GPT: 3 MB in all) the blocks stay in the root."""
     from gradmesh import workloads
-    from gradmesh.parallel.sharded import fsdp_units
+    from gradmesh.parallel.sharded import UNIT_BYTES, fsdp_units
 
-    gpt = workloads.meta_model(build([{"model": {"name": "gpt-char", "n_layer": 3}}]))
+    gpt = workloads.meta_model(build([{"model": {"name": "gpt-char", "n_layer": 3, "n_embd": 768, "n_head": 12}}]))
     units, root = fsdp_units(gpt)
     blocks = sum(p.numel() for p in gpt.h.parameters())
-    assert units == 4 and root == sum(p.numel() for p in gpt.parameters()) - blocks > 0
+    assert 4 * blocks >= UNIT_BYTES and units == 4 and root == sum(p.numel() for p in gpt.parameters()) - blocks > 0
+    small = workloads.meta_model(build([{"model": {"name": "gpt-char", "n_layer": 4}}]))
+    assert 4 * sum(p.numel() for p in small.h.parameters()) < UNIT_BYTES
+    assert fsdp_units(small) == (1, sum(p.numel() for p in small.parameters()))
     assert fsdp_units(workloads.meta_model(build([{"model": {"name": "mlp-digits"}}])))[0] == 1
 
 

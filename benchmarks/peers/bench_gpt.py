@@ -243,6 +243,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds one run may take before it counts as failed")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "peers-gpt.json"))
+    parser.add_argument("--only", nargs="+", metavar="SYSTEM", choices=[s.label for s in SYSTEMS],
+                        help="run these systems alone (labels as in the table), e.g. for an A/B of one pair")
     ARGS = parser.parse_args()
     if ARGS.steps < ARGS.warmup + 2:
         parser.error(f"--steps must be at least --warmup + 2 ({ARGS.warmup + 2}) to leave a steady state to measure")
@@ -253,10 +255,11 @@ def main() -> None:
     ds_python, ds_error, ds_versions = prepare_deepspeed()
     if ds_error:
         console.print(f"[red]{escape(ds_error)}[/red]")
-    outcomes: dict[str, list[Outcome]] = {s.label: [] for s in SYSTEMS}
+    systems = tuple(s for s in SYSTEMS if not ARGS.only or s.label in ARGS.only)
+    outcomes: dict[str, list[Outcome]] = {s.label: [] for s in SYSTEMS}  # the others stay empty
     orders = []
     for round_ in range(ARGS.rounds):
-        order = SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]
+        order = systems if round_ % 2 == 0 else systems[::-1]
         orders.append([s.label for s in order])
         for system in order:
             console.print(f"round {round_ + 1}/{ARGS.rounds}: {system.label}", highlight=False)

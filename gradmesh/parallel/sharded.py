@@ -17,19 +17,23 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from gradmesh.comm.compress import cast_dtype
 from gradmesh.comm.scatter import CountedReduceScatter
 from gradmesh.mesh import DP_AXIS, FSDP_AXIS
-from gradmesh.parallel.options import ApplyOptions
+from gradmesh.parallel.options import DEFAULT_BUCKET_MB, ApplyOptions
 from gradmesh.topology import Topology
 
 # Sharding plan: class name -> attribute holding the blocks that become FSDP units (each one
 # all-gathers its parameters just before use and frees them after). The root is always a unit.
 FSDP_UNITS = {"GPT": "h", "MLP": None}
+UNIT_BYTES = DEFAULT_BUCKET_MB * 2**20
+"""Blocks that hold less than this together stay in the root unit: each unit costs an all-gather
+in forward and in backward and a reduce-scatter, and below DDP's bucket size the calls cost more
+than the memory a unit frees (docs/benchmarks.md#peers)."""
 
 
 def data_axis(topology: Topology) -> str:
     return FSDP_AXIS if FSDP_AXIS in topology.mesh_shape else DP_AXIS
 
 
-def _units(model: nn.Module) -> list[nn.Module]:
+def _blocks(model: nn.Module) -> list[nn.Module]:
     name = type(model).__name__
     if name in FSDP_UNITS:
         attr = FSDP_UNITS[name]
@@ -40,6 +44,12 @@ def _units(model: nn.Module) -> list[nn.Module]:
         if isinstance(module, nn.ModuleList):
             return list(module)
     return []
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    blocks = _blocks(model)
+    held = sum(p.numel() * p.element_size() for block in blocks for p in block.parameters())
+    return blocks if held >= UNIT_BYTES else []
 
 
 def fsdp_units(model: nn.Module) -> tuple[int, int]:
