@@ -86,3 +86,15 @@ def test_a_model_without_sparse_tables_is_refused_before_launch(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--strategy tables" in lines[0] and "--model recsys" in lines[0]
     assert "Traceback" not in done.stderr and not (tmp_path / "r").exists()
+
+
+def test_a_short_last_batch_that_gives_ranks_unequal_micro_batches_trains_the_same_model(catalogue):
+    """1,803 training samples in batches of 20: the epoch's last batch has 3 samples, shares 2 and
+    1, which two micro-batches cut into 2 and 1 forwards. Every forward is a collective here, so
+    the second rank runs a padding micro-batch at weight 0 (without it the job hangs); the model
+    after crossing into the next epoch is one process's."""
+    args = ("--model", "recsys", "--set", "model.rows=4000", "--set", "model.samples=2003", "--max-steps", "92",
+            "--global-batch-size", "20", "--set", "train.grad_accum=2")
+    run = catalogue.run(2, *args, *TABLES, tiny=False)
+    assert rel_l2(weights(run), weights(catalogue.run(1, *args, tiny=False))) <= 1e-5
+    assert summary(run)["samples"] == 92 * 20 - (20 - 3)  # every sample of the short batch, once

@@ -180,6 +180,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50, help="steps left out of each run's rate")
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS, help="total table rows (default 10^5 10^6)")
     parser.add_argument("--out", default=str(HERE.parent / "results" / "peers-recsys.json"))
+    parser.add_argument("--only", nargs="+", metavar="SYSTEM", choices=[s["name"] for s in systems(True)],
+                        help="run these systems alone (names as in the table), e.g. one epoch of the best of each side")
     args = parser.parse_args()
     if args.steps < args.warmup + 2:
         parser.error(f"--steps must be at least --warmup + 2 ({args.warmup + 2})")
@@ -187,7 +189,7 @@ def main() -> None:
     peer = ensure_venv("torchrec", TORCHREC_INSTALLS)
     strategies = gradmesh_strategies()
     tables_available = "tables" in strategies
-    chosen = systems(tables_available)
+    chosen = [s for s in systems(tables_available) if not args.only or s["name"] in args.only]
     runs: list[dict] = []
     started = time.time()
     for rows in args.rows:
@@ -205,7 +207,7 @@ def main() -> None:
 
     figures = []
     for rows in args.rows:
-        for system in systems(True):
+        for system in (s for s in systems(True) if not args.only or s["name"] in args.only):
             mine = sorted((r for r in runs if r["rows"] == rows and r["system"] == system["name"]),
                           key=lambda r: r["round"])
             rates = [r["samples_per_s"] for r in mine if "samples_per_s" in r]
