@@ -122,3 +122,14 @@ def test_the_registry_state_formulas_match_what_ranks_hold(catalogue, strategy):
     expected = registry.get(strategy).state_bytes(registry.ModelSize(params=sum(t.numel() for t in weights(run).values())), 2)
     for measured in summary(run)["model_state_bytes"]:
         assert abs(measured / expected - 1) <= 0.10, (measured, expected)
+
+
+def test_fsdp_with_two_micro_batches_crosses_a_short_last_batch_that_gives_ranks_unequal_counts(catalogue):
+    """1,803 training samples in batches of 20: the epoch's last batch (3 samples) gives the ranks
+    shares of 2 and 1, cut into 2 and 1 micro-batches. FSDP's gathers make every forward a
+    collective, so the second rank runs a padding micro-batch at weight 0 (without it the job
+    hung at step 91 until the step watchdog fired); the model is one process's."""
+    args = ("--model", "recsys", "--set", "model.rows=4000", "--set", "model.samples=2003", "--max-steps", "92",
+            "--global-batch-size", "20", "--set", "train.grad_accum=2")
+    run = catalogue.run(2, *args, "--strategy", "fsdp", tiny=False)
+    assert rel_l2(weights(run), weights(catalogue.run(1, *args, tiny=False))) <= 1e-5

@@ -25,16 +25,18 @@ class CollectiveEngine(Engine):
         return runs or [([batch.indices[0]], 0.0)]
 
     def runs(self, batch: GlobalBatch) -> tuple[list[tuple[list[int], float]], list[list[list[int]]] | None]:
-        """This rank's micro-batches and, where the plan reads every rank's share of each
-        (`Plan.reads_every_share`), every data-parallel rank's indices per micro-batch, with each
-        rank's micro-batches made as many as the most any rank runs (a forward there is a
-        collective; the extra ones are one sample at weight 0). None elsewhere."""
-        if not self.plan.reads_every_share:
+        """This rank's micro-batches — as many as the most any rank runs where every forward is a
+        collective (`Plan.equal_micro_batches`; the extra ones are one sample at weight 0) — and,
+        where the plan reads every rank's share (`Plan.reads_every_share`), every data-parallel
+        rank's indices per micro-batch (None elsewhere)."""
+        plan = self.plan
+        if not plan.equal_micro_batches:
             return self.micro_batches(batch), None
         everyone = [self.micro_batches(batch, rank) for rank in range(self.topology.dp_size)]
         most = max(len(runs) for runs in everyone)
         padded = [runs + [([batch.indices[0]], 0.0)] * (most - len(runs)) for runs in everyone]
-        return padded[self.topology.dp_rank], [[runs[i][0] for runs in padded] for i in range(most)]
+        shares = [[runs[i][0] for runs in padded] for i in range(most)] if plan.reads_every_share else None
+        return padded[self.topology.dp_rank], shares
 
     def forward_backward(self, batch: GlobalBatch, probe: StepProbe):
         runs, every = self.runs(batch)

@@ -54,6 +54,11 @@ class Plan:
         return any(row.engine == "pipeline" for row in self.rows)
 
     @property
+    def equal_micro_batches(self) -> bool:
+        """Every rank runs as many micro-batches a step (`Strategy.collective_forward`)."""
+        return any(row.collective_forward or row.every_share for row in self.rows)
+
+    @property
     def reads_every_share(self) -> bool:
         """Some row is shown every rank's share of each micro-batch (`Strategy.every_share`)."""
         return any(row.every_share for row in self.rows)

@@ -80,6 +80,7 @@ ROWS = (
         cost="gradmesh.plan.costs:fsdp",
         sync="gradmesh.parallel.sharded:fsdp_sync",
         casts_only=True,
+        collective_forward=True,
     ),
     Strategy(
         "tp",
@@ -92,6 +93,7 @@ ROWS = (
         cost="gradmesh.plan.costs:tp",
         sync="gradmesh.parallel.data:no_sync",
         checks=(check_tp,),
+        collective_forward=True,
         splits_model=True,
     ),
     Strategy(

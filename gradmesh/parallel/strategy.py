@@ -86,6 +86,10 @@ class Strategy:
     """Its gradients are reduced outside the job's reducer (FSDP2 reduce-scatters them at its
     reduce dtype), so of the --compression methods its engine family takes (the compressor
     registry, `gradmesh.config.compression`) only a plain cast applies."""
+    collective_forward: bool = False
+    """Every micro-batch's forward or backward is a collective (FSDP's gathers, tensor parallel's
+    all-reduces): every rank must run as many micro-batches, also where an epoch's short last
+    batch leaves a rank fewer (the collective engine pads with micro-batches at weight 0)."""
     every_share: str | None = None
     """(model, every data-parallel rank's inputs of the coming micro-batch, this rank's index):
     the global order lets every rank read every share of a batch, and a strategy that asks is
