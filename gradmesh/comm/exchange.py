@@ -2,12 +2,15 @@
 all-to-all exchange behind the `tables` strategy (`gradmesh.parallel.tables`).
 
 Each rank asks for the rows its share of a batch looks up, every table at once: each lookup
-becomes one key (table, row of the owner's range), grouped by the rank that owns the row (even
-row ranges, torch.chunk's split) and sent to it (`Router`: one all-to-all in the steady state),
-and the owners answer with the rows (all-to-all back). In backward the rows' gradients take the
-reverse way to their owners (all-to-all), which keep them until the optimizer step sums them
-per row (`RowGradients`). Three collectives a micro-batch whatever the number of tables; the
-bytes are those of the rows a share touches, not of the tables.
+becomes one key (table, row of the owner's range), and its distinct keys are grouped by the rank
+that owns the row (even row ranges, torch.chunk's split). Where every rank's share is known
+(training: the global order) each side of every exchange is computed locally (`Router.known`, no
+collective); elsewhere the keys go to their owners first (`Router.route`: one all-to-all in the
+steady state). The owners answer with the rows (all-to-all back). In backward the rows'
+gradients, summed per distinct key, take the reverse way to their owners (all-to-all), which
+keep them until the optimizer step sums them per row (`RowGradients`). Two collectives a
+micro-batch in training whatever the number of tables; the bytes are those of the rows a share
+touches, not of the tables.
 
 torch has no sharded embedding; TorchRec has one, but it pins its own torch and FBGEMM build.
 The exchange is plain `torch.distributed.all_to_all_single` (gloo and NCCL), kept here, apart

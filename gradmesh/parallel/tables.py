@@ -8,14 +8,15 @@ weight is a DTensor sharded on its rows, as FSDP2 keeps a parameter: checkpoints
 its parameter name and DCP reshards it to and from every other strategy; the final export and
 `full_state` gather it.
 
-A step: before the model's forward, one exchange serves every table (`gradmesh.comm.exchange`:
-the ids a share looks up go to the rows' owners, the rows come back), and each table module
-returns its part of it; backward sends the rows' gradients to their owners. At the optimizer
-step an owner sums them per distinct row and applies row-wise Adagrad to those rows alone —
-what one process does with the dense table gradient, where an untouched row neither moves nor
-adds to its accumulator — so a step costs the rows its batch touched, whatever the tables' size.
-The dense layers train as under ddp (DDP through gradmesh's reducer), and a global clip counts
-the tables' rows (`grad_norm_sq`, `scale_grads`).
+A step: at the first table's call, one exchange serves every table (`gradmesh.comm.exchange`:
+every rank's lookups are known from every rank's share, which the engine shows before each
+micro-batch (`show_every_share`), so only the rows travel), and each table module returns its
+part of it; backward sends the rows' gradients to their owners. At the optimizer step an owner
+sums them per distinct row and applies row-wise Adagrad to those rows alone
+(`gradmesh.parallel.table_rows`) — what one process does with the dense table gradient, where
+an untouched row neither moves nor adds to its accumulator — so a step costs the rows its batch
+touched, whatever the tables' size. The dense layers train as under ddp (DDP through gradmesh's
+reducer), and a global clip counts the tables' rows (`grad_norm_sq`, `scale_grads`).
 """
 
 import functools
