@@ -98,3 +98,13 @@ def test_a_short_last_batch_that_gives_ranks_unequal_micro_batches_trains_the_sa
     run = catalogue.run(2, *args, *TABLES, tiny=False)
     assert rel_l2(weights(run), weights(catalogue.run(1, *args, tiny=False))) <= 1e-5
     assert summary(run)["samples"] == 92 * 20 - (20 - 3)  # every sample of the short batch, once
+
+
+def test_bucket_tuning_is_refused_before_launch(tmp_path):
+    """--bucket-mb auto re-wraps DDP during the run, which was found to send the tables' training
+    elsewhere (AUC 0.66 against 0.78 after 60 steps): refused until that is mended."""
+    done = python_m_gradmesh("train", "--model", "recsys", *TABLES, "--bucket-mb", "auto",
+                             "--run-dir", str(tmp_path / "r"))
+    assert done.returncode == 2, done.stderr
+    assert "--bucket-mb auto" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()

@@ -233,6 +233,8 @@ def check_tables(cfg, mesh: dict[str, int], meta_model) -> None:
             f"--strategy tables shards a model's sparse embedding tables, and --model {cfg.model.name} declares none; "
             "use it with --model recsys, or choose ddp, zero1 or fsdp"
         )
+    if not cfg.train.bucket_mb:  # --bucket-mb auto re-wraps DDP mid-run: found to break the tables' updates
+        raise UsageError("--strategy tables does not take --bucket-mb auto yet; give a size in MiB: --bucket-mb 25")
     dims = sorted({table.embedding_dim for _, table in tables})
     if len(dims) > 1:  # one tensor holds every table's rows (gradmesh.parallel.table_rows)
         raise UsageError(f"--strategy tables needs sparse tables of one width; this model's are {dims} wide")
