@@ -53,14 +53,16 @@ def _predicted(planned) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def plans(planned) -> list[str]:
     """Three plans of the pool: the fastest and the slowest predicted, and the one nearest their
-    geometric mean; each predicted at least 1.2x slower than the one before (the pool's
-    spread: ddp to FSDP2 with accumulation is about 2.5x on this small model)."""
+    geometric mean; each predicted at least 1.15x slower than the one before (the pool's
+    spread, ddp to FSDP2 with accumulation, is about 1.9x on this small model since fsdp keeps
+    a model this small in one unit (it was 2.5x); one busy CI calibration gave less than the
+    1.44x that 1.2x apart on both sides needs)."""
     predicted = _predicted(planned)
     ordered = sorted(POOL, key=lambda label: predicted[label])
     first, last = ordered[0], ordered[-1]
     middle = min(ordered[1:-1], key=lambda label: abs(math.log(predicted[label] ** 2 / (predicted[first] * predicted[last]))))
     chosen = [first, middle, last]
-    assert all(predicted[b] >= 1.2 * predicted[a] for a, b in zip(chosen, chosen[1:])), predicted
+    assert all(predicted[b] >= 1.15 * predicted[a] for a, b in zip(chosen, chosen[1:])), predicted
     return chosen
 
 
