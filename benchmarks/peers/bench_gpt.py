@@ -325,6 +325,8 @@ def main() -> None:
             table.add_section()
         group = system.group
         runs = outcomes[system.label]
+        if not runs:  # left out by --only
+            continue
         rounds = ", ".join("[red]failed[/red]" if o.rate is None else f"{o.rate:.1f}" for o in runs)
         errors = [o.error for o in runs if o.error]
         if errors:

@@ -186,12 +186,12 @@ class Engine:
         False where no DDP buckets the gradients (meshes average one flat buffer)."""
         from torch.nn.parallel import DistributedDataParallel
 
-        from gradmesh.parallel.data import apply_ddp
+        from gradmesh.parallel.data import rewrap_ddp
 
         if not isinstance(self.model, DistributedDataParallel):
             return False
         self.options = dataclasses.replace(self.options, bucket_mb=bucket_mb)
-        self.model = apply_ddp(self.model.module, self.topology, self.options)
+        self.model = rewrap_ddp(self.model, self.topology, self.options)
         return True
 
     def clip(self, max_norm: float) -> None:

@@ -17,9 +17,24 @@ from gradmesh.topology import Topology
 
 
 def apply_ddp(model: nn.Module, topology: Topology, options: ApplyOptions) -> DistributedDataParallel:
+    return _wrap(model.to(topology.device), topology, options)
+
+
+def rewrap_ddp(model: DistributedDataParallel, topology: Topology, options: ApplyOptions) -> DistributedDataParallel:
+    """DDP again around the same module with `options`' buckets (--bucket-mb auto's trials), the
+    hook's rider kept. No `.to()`: for a DTensor parameter (a wrapper subclass) torch swaps in a
+    new tensor wholesale, attributes included, which would drop what strategies marked on it."""
+    wrapped = _wrap(model.module, topology, options)
+    before, after = hooks.state_of(model), hooks.state_of(wrapped)
+    if before is not None and after is not None:
+        after.rider = before.rider
+    return wrapped
+
+
+def _wrap(model: nn.Module, topology: Topology, options: ApplyOptions) -> DistributedDataParallel:
     device_ids = [topology.local_rank] if topology.device_type == "cuda" else None
     ddp = DistributedDataParallel(
-        model.to(topology.device),
+        model,
         device_ids=device_ids,
         process_group=topology.group("dp"),
         bucket_cap_mb=options.bucket_mb,

@@ -207,19 +207,22 @@ def tables_optimizer(params, topology: Topology, optimizer_class, **kwargs) -> t
 
     # A base class chosen at run time: mypy cannot type a class over a variable base.
     class ShardedRows(optimizer_class):
-        def _sharded(self) -> list[ShardedTables]:
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            # Found once, by the mark `ShardedTables.tag` left on the weights: a later `.to()` of
+            # the module swaps a DTensor parameter's contents, its attributes with them.
             found = {id(t): t for g in self.param_groups for p in g["params"] if (t := getattr(p, ATTRIBUTE, None))}
-            return list(found.values())
+            self.sharded = list(found.values())
 
         @torch.no_grad()
         def step(self, closure=None):
-            for tables in self._sharded():
+            for tables in self.sharded:
                 tables.step(self)
             return super().step(closure)
 
         def zero_grad(self, set_to_none: bool = True) -> None:
             super().zero_grad(set_to_none)
-            for tables in self._sharded():
+            for tables in getattr(self, "sharded", ()):  # torch's constructor may zero before ours ran
                 tables.clear()
 
     ShardedRows.__name__ = ShardedRows.__qualname__ = f"ShardedRows{optimizer_class.__name__}"
@@ -233,8 +236,6 @@ def check_tables(cfg, mesh: dict[str, int], meta_model) -> None:
             f"--strategy tables shards a model's sparse embedding tables, and --model {cfg.model.name} declares none; "
             "use it with --model recsys, or choose ddp, zero1 or fsdp"
         )
-    if not cfg.train.bucket_mb:  # --bucket-mb auto re-wraps DDP mid-run: found to break the tables' updates
-        raise UsageError("--strategy tables does not take --bucket-mb auto yet; give a size in MiB: --bucket-mb 25")
     dims = sorted({table.embedding_dim for _, table in tables})
     if len(dims) > 1:  # one tensor holds every table's rows (gradmesh.parallel.table_rows)
         raise UsageError(f"--strategy tables needs sparse tables of one width; this model's are {dims} wide")
