@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_ddp.py            # prints a table, writes benchmarks/results/ddp.json
     .venv/bin/python benchmarks/bench_ddp.py --sharded  # zero1 and fsdp in the same rounds
+    .venv/bin/python benchmarks/bench_ddp.py --own-loop # and gradmesh.Loop (own_loop_gpt.py) against plain DDP
 
 Runs alternate (gradmesh, plain, gradmesh, plain, ...) inside one invocation so that machine
 noise hits both sides alike; each run's throughput is measured over its steady state (the
@@ -53,6 +54,16 @@ def run_plain(nproc: int, steps: int, batch: int, warmup: int) -> float:
         return steady_rate(json.loads(out.read_text())["time"], batch, warmup)
 
 
+def run_own_loop(nproc: int, steps: int, batch: int, warmup: int) -> float:
+    """The same training through the own-loop API, launched as a user would: `gradmesh run`."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        cmd = [sys.executable, "-m", "gradmesh", "run", "--nproc", str(nproc), str(HERE / "own_loop_gpt.py"),
+               "--steps", str(steps), "--global-batch-size", str(batch), "--run-dir", run_dir]
+        subprocess.run(cmd + [f"--{k.replace('_', '-')}={v}" for k, v in SIZE.items()], check=True, env=_env(1))
+        rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        return steady_rate([r["time"] for r in rows], batch, warmup)
+
+
 def _env(threads: int | None) -> dict:
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
@@ -68,17 +79,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--sharded", action="store_true", help="also zero1 and fsdp on 2 workers, each round")
+    parser.add_argument("--own-loop", action="store_true", help="also the own-loop API (gradmesh.Loop) on 2 workers")
     parser.add_argument("--out", default=str(HERE / "results" / "ddp.json"))
     args = parser.parse_args()
     common = (args.steps, args.global_batch_size, args.warmup)
     sharded = SHARDED if args.sharded else ()
+    own = ("own@2",) if args.own_loop else ()
     rates: dict[str, list[float]] = {
-        k: [] for k in ("gradmesh@2", "plain@2", "gradmesh@1x1", "gradmesh@1x2", *(f"{s}@2" for s in sharded))
+        k: [] for k in ("gradmesh@2", "plain@2", "gradmesh@1x1", "gradmesh@1x2", *(f"{s}@2" for s in sharded), *own)
     }
     for round_ in range(args.rounds):
         print(f"round {round_ + 1}/{args.rounds}", flush=True)
         rates["gradmesh@2"].append(run_gradmesh(2, *common, threads=1))
         rates["plain@2"].append(run_plain(2, *common))
+        if own:
+            rates["own@2"].append(run_own_loop(2, *common))
         for strategy in sharded:
             rates[f"{strategy}@2"].append(run_gradmesh(2, *common, 1, "--strategy", strategy))
         rates["gradmesh@1x1"].append(run_gradmesh(1, *common, threads=1))
@@ -92,6 +107,7 @@ def main() -> None:
         "scaling_1_to_2_one_thread_each": med["gradmesh@2"] / med["gradmesh@1x1"],
         "scaling_1_to_2_same_cores": med["gradmesh@2"] / med["gradmesh@1x2"],
         **{f"{s}_over_plain_ddp": med[f"{s}@2"] / med["plain@2"] for s in sharded},
+        **({"own_loop_over_plain_ddp": med["own@2"] / med["plain@2"]} if own else {}),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
@@ -101,6 +117,9 @@ def main() -> None:
     table.add_row("plain torch DDP, 2 workers", f"{med['plain@2']:.1f}", "")
     table.add_row("gradmesh ddp, 2 workers", f"{med['gradmesh@2']:.1f}", "")
     table.add_row("gradmesh / plain DDP", f"{result['gradmesh_over_plain_ddp']:.3f}", ">= 0.98")
+    if own:
+        table.add_row("gradmesh.Loop (own loop), 2 workers", f"{med['own@2']:.1f}", "")
+        table.add_row("gradmesh.Loop / plain DDP", f"{result['own_loop_over_plain_ddp']:.3f}", ">= 0.98")
     for strategy in sharded:
         table.add_row(f"gradmesh {strategy}, 2 workers", f"{med[f'{strategy}@2']:.1f}", "")
         table.add_row(f"{strategy} / plain DDP", f"{result[f'{strategy}_over_plain_ddp']:.3f}", "")

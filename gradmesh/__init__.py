@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "GlobalOrderSampler",
+    "Loop",
     "MonitorConfig",
     "PSConfig",
     "Session",
@@ -32,6 +33,7 @@ __all__ = [
 # torch, and importing it costs the CLI about a second at every start.
 _HOMES = {
     "init": "loop.trainer",
+    "Loop": "loop.own",
     "Session": "loop.trainer",
     "Trainer": "loop.trainer",
     "TrainConfig": "config",

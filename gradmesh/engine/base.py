@@ -46,6 +46,16 @@ from gradmesh.parallel.state import model_state_bytes
 from gradmesh.topology import Topology
 
 
+def grouped(model: nn.Module, groups: list[tuple[list[str], dict]] | None) -> list:
+    """The applied model's parameters, in the parameter groups `groups` names (by name in the
+    plain model, with each group's own settings), or all of them in one group."""
+    if not groups:
+        return list(model.parameters())
+    named = {name.removeprefix("module."): param for name, param in model.named_parameters()}
+    found = [{**options, "params": [named[n] for n in names if n in named]} for names, options in groups]
+    return [group for group in found if group["params"]]
+
+
 class StepEngine(Protocol):
     """What the training loop and the services call on an engine, whatever its family. One in
     lockstep is also a `LockstepEngine`, one whose ranks do not step together (`lockstep` False)
@@ -54,6 +64,7 @@ class StepEngine(Protocol):
     lockstep: bool
     plan: Plan
     model: nn.Module
+    job: Job
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None: ...
@@ -101,7 +112,7 @@ class Engine:
         self.model = apply_plan(model, topology, plan, self.options)
         owner = plan.state_owner
         self.optimizer = load(owner.optimizer)(
-            list(self.model.parameters()), topology, job.optimizer_class, **job.optimizer_kwargs
+            grouped(self.model, job.groups), topology, job.optimizer_class, **job.optimizer_kwargs
         )
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
 
@@ -113,12 +124,26 @@ class Engine:
     def step(self, batch: GlobalBatch, probe: StepProbe) -> StepOutcome:
         lr = self._set_lr(batch.step)
         loss_sum, counted, indices = self.forward_backward(batch, probe)
+        return self.finish_step(batch, lr, (loss_sum, counted, indices), probe)
+
+    def finish_step(
+        self,
+        batch: GlobalBatch,
+        lr: float,
+        done: tuple[torch.Tensor, int, list[int]],
+        probe: StepProbe,
+        max_norm: float | None = None,
+    ) -> StepOutcome:
+        """After a step's backward passes (`done`: loss sum, samples counted, indices consumed):
+        the non-finite check, the clipped optimizer step at `max_norm` (the run's grad_clip by
+        default), and the step's figures. The own-loop API calls this from `Loop.step`."""
+        loss_sum, counted, indices = done
         with probe.clock.phase("comm"):  # where a collective decides, the ranks wait for each other here
             found = self.find_nonfinite(loss_sum, batch.step + 1)
         if found is not None:  # no rank applies any of it, whatever the policy then does
             return self._unapplied(batch, lr, loss_sum, counted, indices, found)
         with probe.clock.phase("optimizer"):
-            clipped_step(self.optimizer, self.clip, self.job.train.grad_clip)
+            clipped_step(self.optimizer, self.clip, self.job.train.grad_clip if max_norm is None else max_norm)
         probe.beat(3)
         # Measured here, where parameters, gradients and optimizer state all exist.
         figures = torch.tensor(

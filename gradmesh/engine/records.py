@@ -110,6 +110,9 @@ class Job:
     """--step-timeout: engines whose ranks do not step together apply it to each share of work."""
     on_nonfinite: str = "stop"
     """--on-nonfinite: under stop a parameter server applies nothing more once a push was not finite."""
+    groups: list[tuple[list[str], dict]] | None = None
+    """Parameter groups (parameter names in the plain model, the group's settings) of an optimizer
+    a user built (`gradmesh.Loop.prepare`); None: one group of every parameter."""
 
 
 def lr_factor(step: int, train: TrainConfig) -> float:

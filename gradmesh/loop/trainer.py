@@ -66,6 +66,7 @@ class Trainer:
         faults: FaultConfig | None = None,
         monitor: MonitorConfig | None = None,
         ps: PSConfig | None = None,
+        groups: list[tuple[list[str], dict]] | None = None,
     ):
         self.session, self.topo = session, session.topology
         self.train = train or TrainConfig()
@@ -77,15 +78,27 @@ class Trainer:
         self.monitor, self.counter = build.monitor(session, monitor, self.run_dir, self.plan)
         faults = faults or FaultConfig()
         job = self._job(loss_fn, dataset, optimizer, criterion, ps, faults)
+        job.groups = groups
         self.engine = build_engine(self.topo, self.plan, model, job)
+        self.faults, self.quiet = faults, quiet
+        if dataset is not None:
+            self.attach(dataset)
+
+    def attach(self, dataset, train: TrainConfig | None = None) -> None:
+        """The data and what reads it: the sampler and the services. The Trainer attaches its
+        dataset at once; an own loop (`gradmesh.Loop`) when it asks for batches, with the batch size
+        and steps it gives only then."""
+        if train is not None:
+            self.train = self.engine.job.train = train
+        self.engine.job.dataset = dataset
         self.sampler = GlobalOrderSampler(len(dataset), self.train.global_batch_size, self.train.seed)
-        self.ctx = RunContext(self.topo, self.engine, self.run_dir, session.identity, quiet)
+        self.ctx = RunContext(self.topo, self.engine, self.run_dir, self.session.identity, self.quiet)
         self.parts = self._parts()
-        self.services = build.services(self.parts, faults)
+        self.services = build.services(self.parts, self.faults)
         self.probe = build.probe(self.monitor, self.services)
         # In-place recovery wraps the engine's step and run_segment alike.
         self.stepper: StepEngine | InplaceRecovery = self.services.recovery or self.engine
-        if session.joined:  # a replacement: the state comes from a live peer
+        if self.session.joined:  # a replacement: the state comes from a live peer
             assert self.services.recovery is not None  # a replacement joins only under in-place recovery
             self.services.recovery.after_regroup([])
 
@@ -140,12 +153,15 @@ class Trainer:
         return list(self.services.reporting.totals.recent)
 
     def fit(self) -> dict:
-        start_step = self._prepare()
+        start_step = self.begin()
         wall_start = time.perf_counter()
         (self._run_in_lockstep if self.engine.lockstep else self._run_in_segments)(start_step)
+        return self.end(start_step, time.perf_counter() - wall_start)
+
+    def end(self, start_step: int, wall: float) -> dict:
+        """Collective: the services' end, the final evaluation, checkpoint, weights and summary."""
         for service in self.services.all:
             service.finish()
-        wall = time.perf_counter() - wall_start
         self.summary, self.final_weights = finish_run(
             self.parts, self.services, start_step, self.samples_before(start_step), wall
         )
@@ -169,9 +185,14 @@ class Trainer:
                 for service in self.services.all:
                     service.after_step(outcome, elapsed)
             except RollBack:
-                step = self.services.checkpointing.roll_back()
-                self.services.reporting.samples = self.samples_before(step)
-                policy.rolled_back(step)
+                step = self.roll_back()
+
+    def roll_back(self) -> int:
+        """After the non-finite policy's RollBack: the step the last good checkpoint holds."""
+        step = self.services.checkpointing.roll_back()
+        self.services.reporting.samples = self.samples_before(step)
+        self.services.nonfinite.rolled_back(step)
+        return step
 
     def _run_in_segments(self, start_step: int) -> None:
         """An engine whose ranks do not step together runs a segment of steps at a time; the
@@ -195,7 +216,7 @@ class Trainer:
         last = min(step + SEGMENT_STEPS, self.train.max_steps)
         return next((s for s in range(step + 1, last) if any(x.wants_all_ranks(s) for x in self.services.all)), last)
 
-    def _prepare(self) -> int:
+    def begin(self) -> int:
         """The run directory, the engine's own files, any checkpoint; the step to go on from."""
         joined = self.session.joined
         if not joined:  # a host whose agent was replaced starts at attempt 0 while its peers restarted
