@@ -64,10 +64,15 @@ def test_hf_gpt2_trains_end_to_end_through_the_cli(catalogue):
 @needs_transformers
 def test_the_sample_at_the_end_comes_from_the_hf_model():
     cfg = build([{"model": {"name": "hf:llama", **TINY_MODEL}, "data": {"max_chars": 60000},
-                  "train": {"sample_chars": 40}}])
+                  "train": {"sample_chars": 12}}])
     workload = workloads.build(cfg, torch.device("cpu"))
-    sample = workload.finish(workload.model.state_dict())
-    assert sample.startswith("def ") and len(sample) == 44 and set(sample) <= set(workload.info["vocab"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a worker has it: tiny matmuls on two threads of a busy machine wait on each other
+    try:
+        sample = workload.finish(workload.model.state_dict())
+    finally:
+        torch.set_num_threads(threads)
+    assert sample.startswith("def ") and len(sample) == 16 and set(sample) <= set(workload.info["vocab"])
 
 
 @needs_transformers
