@@ -138,3 +138,13 @@ def fresh_store_each_round() -> None:
 def cache_home() -> str:
     """The user's cache folder (XDG_CACHE_HOME, else ~/.cache): where calibrations are kept."""
     return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
+def hub_offline() -> None:
+    """Hugging Face's libraries never reach for the hub: gradmesh builds transformers models from
+    their config classes alone (no weights, no tokenizer), on machines that may have no network.
+    Set before transformers is first imported (huggingface_hub reads it then); the workers a
+    launcher starts inherit it."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"

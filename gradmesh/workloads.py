@@ -1,6 +1,7 @@
 """The built-in workloads, assembled from plain models and datasets for the Trainer.
 
 gpt-char: a small GPT on characters of the Python standard library's source (or --data text);
+hf:gpt2 and hf:llama: Hugging Face transformers models on the same text (`gradmesh.hf`);
 mlp-digits: an MLP on scikit-learn's 8x8 digits; recsys: a DLRM-style click model on a synthetic
 click log with a known ceiling. All go through the public Trainer API.
 """
@@ -13,6 +14,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from gradmesh.config import Config
+from gradmesh.config.workload import HF_MODELS, TEXT_MODELS
 from gradmesh.data import clicks, fetch
 from gradmesh.data.corpus import CharVocab, char_datasets, load_text
 from gradmesh.data.digits import digits_datasets
@@ -57,11 +59,35 @@ def _mean_eval(model, dataset, batches, loss_fn, device, extra=None) -> dict:
     return metrics
 
 
-def gpt_char(cfg: Config, device: torch.device) -> Workload:
+def _char_workload(cfg: Config, device: torch.device, make_model, loss_fn, generate, criterion=None) -> Workload:
+    """gpt-char's text, vocabulary, held-out loss and sample around the model that
+    make_model(vocab_size) builds; generate(model, prompt, chars, generator) samples from it."""
     text = load_text(cfg.data.path, cfg.data.max_chars)
     train, held_out, vocab = char_datasets(text, cfg.model.block_size, cfg.data.eval_fraction)
-    model_cfg = gpt.GPTConfig(
-        vocab_size=len(vocab.chars),
+    model = make_model(len(vocab.chars))
+    batches = _held_out_batches(held_out, cfg.train.eval_batches, cfg.train.global_batch_size)
+
+    def evaluate(net):
+        return _mean_eval(net, held_out, batches, loss_fn, device)
+
+    def sample(weights: dict) -> str | None:
+        if cfg.train.sample_chars == 0:
+            return None
+        plain = make_model(len(vocab.chars))
+        plain.load_state_dict(weights)
+        plain.eval()
+        start = "def " if set("def ") <= set(vocab.chars) else text[0]
+        prompt = vocab.encode(start)[None, :]
+        out = generate(plain, prompt, cfg.train.sample_chars, torch.Generator().manual_seed(cfg.train.seed))
+        return vocab.decode(out[0].tolist())
+
+    info = {"vocab": vocab.chars, "corpus_chars": len(text), "train_samples": len(train), "eval_samples": len(held_out)}
+    return Workload(model, loss_fn, train, evaluate, criterion, sample, info)
+
+
+def _gpt_config(cfg: Config, vocab_size: int) -> gpt.GPTConfig:
+    return gpt.GPTConfig(
+        vocab_size=vocab_size,
         block_size=cfg.model.block_size,
         n_layer=cfg.model.n_layer,
         n_head=cfg.model.n_head,
@@ -69,27 +95,27 @@ def gpt_char(cfg: Config, device: torch.device) -> Workload:
         dropout=cfg.model.dropout,
         bias=cfg.model.bias,
     )
-    model = gpt.GPT(model_cfg)
-    batches = _held_out_batches(held_out, cfg.train.eval_batches, cfg.train.global_batch_size)
 
-    def evaluate(net):
-        return _mean_eval(net, held_out, batches, gpt.per_sample_loss, device)
 
-    def sample(weights: dict) -> str | None:
-        if cfg.train.sample_chars == 0:
-            return None
-        plain = gpt.GPT(model_cfg)
-        plain.load_state_dict(weights)
-        plain.eval()
-        start = "def " if set("def ") <= set(vocab.chars) else text[0]
-        prompt = vocab.encode(start)[None, :]
-        out = plain.generate(
-            prompt, cfg.train.sample_chars, top_k=10, generator=torch.Generator().manual_seed(cfg.train.seed)
-        )
-        return vocab.decode(out[0].tolist())
+def gpt_char(cfg: Config, device: torch.device) -> Workload:
+    def make(vocab_size: int) -> gpt.GPT:
+        return gpt.GPT(_gpt_config(cfg, vocab_size))
 
-    info = {"vocab": vocab.chars, "corpus_chars": len(text), "train_samples": len(train), "eval_samples": len(held_out)}
-    return Workload(model, gpt.per_sample_loss, train, evaluate, gpt.sample_losses, sample, info)
+    def generate(model, prompt, chars, generator):
+        return model.generate(prompt, chars, top_k=10, generator=generator)
+
+    return _char_workload(cfg, device, make, gpt.per_sample_loss, generate, gpt.sample_losses)
+
+
+def hf_char(cfg: Config, device: torch.device) -> Workload:
+    """A Hugging Face transformers model (hf:gpt2, hf:llama) on gpt-char's text. No criterion:
+    a transformers model's forward runs all its blocks, so no pipeline stage can run a slice."""
+    from gradmesh import hf
+
+    def make(vocab_size: int) -> nn.Module:
+        return hf.build_model(cfg, vocab_size)
+
+    return _char_workload(cfg, device, make, hf.per_sample_loss, hf.sampler(cfg))
 
 
 def mlp_digits(cfg: Config, device: torch.device) -> Workload:
@@ -171,7 +197,7 @@ def recsys_optimizer(cfg: Config, model: dlrm.DLRM) -> tuple[type, dict]:
     return with_rowwise_tables(base), {**kwargs, "tables": tables, "table_lr": cfg.train.table_lr}
 
 
-BUILDERS = {"gpt-char": gpt_char, "mlp-digits": mlp_digits, "recsys": recsys}
+BUILDERS = {"gpt-char": gpt_char, "mlp-digits": mlp_digits, "recsys": recsys, **dict.fromkeys(HF_MODELS, hf_char)}
 
 
 def build(cfg: Config, device: torch.device, remote_tables: bool = False) -> Workload:
@@ -198,18 +224,13 @@ class _MetaInitSkipped(TorchFunctionMode):
 def meta_model(cfg: Config) -> nn.Module:
     """The configured model on the meta device (no memory, no data): for checks before launch."""
     with torch.device("meta"), _MetaInitSkipped():
-        if cfg.model.name == "gpt-char":
-            vocab = CharVocab.of(load_text(cfg.data.path, cfg.data.max_chars))
-            return gpt.GPT(
-                gpt.GPTConfig(
-                    vocab_size=len(vocab.chars),
-                    block_size=cfg.model.block_size,
-                    n_layer=cfg.model.n_layer,
-                    n_head=cfg.model.n_head,
-                    n_embd=cfg.model.n_embd,
-                    bias=cfg.model.bias,
-                )
-            )
+        if cfg.model.name in TEXT_MODELS:
+            vocab_size = len(CharVocab.of(load_text(cfg.data.path, cfg.data.max_chars)).chars)
+            if cfg.model.name in HF_MODELS:
+                from gradmesh import hf
+
+                return hf.build_model(cfg, vocab_size)
+            return gpt.GPT(_gpt_config(cfg, vocab_size))
         if cfg.model.name == "recsys":
             return dlrm.DLRM(click_spec(cfg).rows, cfg.model.dim, clicks.DENSE, cfg.model.hidden, materialize=False)
         return mlp.MLP(hidden=cfg.model.hidden)
@@ -229,12 +250,12 @@ def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 
 def check_inputs(cfg: Config) -> None:
     """Fail fast (UsageError) on data problems before any worker starts."""
-    if cfg.data.path and cfg.model.name != "gpt-char":  # silently training on other data would mislead
+    if cfg.data.path and cfg.model.name not in TEXT_MODELS:  # silently training on other data would mislead
         raise UsageError(
             f"data.path {cfg.data.path!r}: {cfg.model.name} trains on its own built-in data; "
-            "--data is read by gpt-char only"
+            f"--data is read by {', '.join(TEXT_MODELS)} only"
         )
-    if cfg.model.name == "gpt-char":
+    if cfg.model.name in TEXT_MODELS:
         text = load_text(cfg.data.path, cfg.data.max_chars)
         char_datasets(text, cfg.model.block_size, cfg.data.eval_fraction)
 

@@ -96,6 +96,13 @@ CASES = {
     "unknown --set key": (["--set", "model.depth=3"], ["model.depth", "model.n_layer"]),
     "bad --set value": (["--set", "train.lr=fast"], ["train.lr", "fast"]),
     "heads not dividing width": (["--set", "model.n_head=5"], ["n_head=5", "n_embd"]),
+    # Refused before transformers is imported: these hold without the hf extra too.
+    "tp for hf:gpt2": (["--model", "hf:gpt2", "--strategy", "tp", "--nproc", "2"],
+                       ["tensor parallelism has no plan for hf:gpt2", "fused Conv1D", "--model hf:llama"]),
+    "pipeline for an hf model": (["--model", "hf:llama", "--strategy", "pipeline", "--nproc", "2"],
+                                 ["pipeline parallelism cannot cut --model hf:llama", "ddp, zero1 or fsdp"]),
+    "hf:llama with an odd head width": (["--model", "hf:llama", "--set", "model.n_embd=30", "--set", "model.n_head=2"],
+                                        ["head width", "= 15", "even"]),
     "unwritable run dir": (["--run-dir", "{tmp}/readonly/file/run"], ["run dir", "not writable"]),
     "resume with no checkpoint": (["--resume", "--run-dir", "{tmp}/fresh"], ["--resume", "no complete checkpoint"]),
 }
@@ -143,7 +150,7 @@ SPECIAL_FILES = {
     "FIFO as --data": (["--data", "{tmp}/fifo"], ["fifo", "a FIFO", "text file"]),
     "endless device as --data": (["--data", "/dev/zero"], ["/dev/zero", "a character device"]),
     "too little text for one sample": (["--data", "{tmp}/small.txt", "--set", "data.max_chars=1"], ["too few", "block_size"]),
-    "--data with a model that reads none": (["--model", "mlp-digits", "--data", "{tmp}/small.txt"], ["data.path", "gpt-char only"]),
+    "--data with a model that reads none": (["--model", "mlp-digits", "--data", "{tmp}/small.txt"], ["data.path", "gpt-char, hf:gpt2, hf:llama only"]),
 }
 CASES.update(NUMBERS)
 CASES.update(SPECIAL_FILES)

@@ -49,7 +49,7 @@ def test_degree_not_dividing_the_heads_is_refused(cli, tmp_path):
                  "--set", "model.n_embd=48", "--run-dir", str(tmp_path))
     assert result.returncode == 2 and "does not divide model.n_head=6" in result.stderr
     result = cli("train", "--strategy", "tp", "--nproc", "2", "--model", "mlp-digits", "--run-dir", str(tmp_path))
-    assert result.returncode == 2 and "gpt-char only" in result.stderr
+    assert result.returncode == 2 and "a plan for gpt-char and hf:llama only" in result.stderr
 
 
 @SLOW

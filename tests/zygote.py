@@ -23,6 +23,9 @@ import traceback
 
 PRELOAD = ("torch", "torch.distributed.run", "gradmesh.cli", "gradmesh.launch", "gradmesh.workloads",
            "gradmesh.fault.checkpoint", "gradmesh.worker", "gradmesh.launch.inplace")
+HF_PRELOAD = ("transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama")
+"""The hf:* models' code, where transformers is installed: a launcher imports it to build the meta
+model its checks read, and its forked workers inherit it, as the rest of PRELOAD."""
 
 
 def _child(request: dict) -> None:
@@ -85,9 +88,16 @@ def _serve(listener: socket.socket) -> None:
 
 def main(path: str) -> None:
     import importlib
+    import importlib.util
 
     for name in PRELOAD:
         importlib.import_module(name)
+    if importlib.util.find_spec("transformers") is not None:
+        from gradmesh import env
+
+        env.hub_offline()  # before huggingface_hub reads it, as gradmesh.hf has it
+        for name in HF_PRELOAD:
+            importlib.import_module(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)

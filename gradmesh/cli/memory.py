@@ -12,7 +12,11 @@ from gradmesh.errors import UsageError
 from gradmesh.parallel import registry
 
 GIB = 2**30
-SIZE_KEYS = {"gpt-char": "model.n_layer, model.n_embd", "mlp-digits": "model.hidden", "recsys": "model.rows, model.dim"}
+SIZE_KEYS = {
+    **dict.fromkeys(configuration.TEXT_MODELS, "model.n_layer, model.n_embd"),
+    "mlp-digits": "model.hidden",
+    "recsys": "model.rows, model.dim",
+}
 
 
 SLOTS_BOUND = 4

@@ -4,6 +4,7 @@ import dataclasses
 import os
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gradmesh import config as configuration
@@ -69,9 +70,10 @@ def _row(rank: str, p: Prediction, machine: Machine) -> list[str]:
 
 
 def print_plan(planned: Planned, machine: Machine, top: int) -> None:
-    console = Console()
+    # No emoji codes: "--model hf:llama: ..." in a reason is not a :llama: picture.
+    console = Console(emoji=False)
     if not console.is_terminal:  # a log or a pipe: rows whole rather than wrapped at 80 columns
-        console = Console(width=160)
+        console = Console(width=160, emoji=False)
     table = Table(title=f"gradmesh plan: {machine.world} worker(s), {planned.samples:,} samples", header_style="bold")
     for name in ("#", "plan", "step ms", "samples/s", "speed-up", "memory/rank", "to train", "cost", "bottleneck"):
         table.add_column(name, justify="left" if name in ("plan", "bottleneck") else "right")
@@ -84,7 +86,7 @@ def print_plan(planned: Planned, machine: Machine, top: int) -> None:
     elif planned.ranked:
         console.print("[red]no candidate fits in memory[/red]: the table shows by how much each misses")
     for candidate, reason in planned.refused:
-        console.print(f"[dim]not a candidate: {candidate.label}: {reason}[/dim]")
+        console.print(f"[dim]not a candidate: {escape(candidate.label)}: {escape(reason)}[/dim]")
     if planned.hosts is not None:
         console.print(f"[dim]hosts: {planned.hosts.describe()}; each host as this machine is calibrated (--link)[/dim]")
     if planned.hardware is not None:

@@ -35,9 +35,16 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_what_options(train: argparse.ArgumentParser) -> None:
     what = train.add_argument_group("what to train")
-    what.add_argument("--model", choices=configuration.MODELS, help="built-in model (default gpt-char)")
     what.add_argument(
-        "--data", metavar="PATH", help="UTF-8 text file or folder for gpt-char (default: Python's stdlib source)"
+        "--model",
+        choices=configuration.MODELS,
+        help="built-in model (default gpt-char); hf:gpt2 and hf:llama: Hugging Face transformers models "
+        "built from their config class, sized by model.* (pip install 'gradmesh[hf]')",
+    )
+    what.add_argument(
+        "--data",
+        metavar="PATH",
+        help="UTF-8 text file or folder for gpt-char and hf:* (default: Python's stdlib source)",
     )
     what.add_argument(
         "--config", metavar="FILE", help="TOML config file (sections model, data, train, checkpoint, launch, run)"

@@ -25,11 +25,12 @@ from gradmesh.config.sections import (
     RunConfig,
     TrainConfig,
 )
-from gradmesh.config.workload import MODELS
+from gradmesh.config.workload import HF_MODELS, MODELS, TEXT_MODELS
 
 __all__ = [
     "COMPRESSIONS",
     "DEVICES",
+    "HF_MODELS",
     "MODELS",
     "NONFINITE",
     "OPTIMIZERS",
@@ -37,6 +38,7 @@ __all__ = [
     "PS_MODES",
     "RECOVERY",
     "SECTIONS",
+    "TEXT_MODELS",
     "CheckpointConfig",
     "Config",
     "DataConfig",

@@ -9,7 +9,12 @@ from gradmesh.config.checks import positive as _positive
 from gradmesh.errors import UsageError
 from gradmesh.paths import check_name
 
-MODELS = ("gpt-char", "mlp-digits", "recsys")
+HF_MODELS = ("hf:gpt2", "hf:llama")
+"""Hugging Face transformers models built from their config class alone (no weights, no hub), sized
+by the model.* settings and trained on gpt-char's text: the `hf` extra brings transformers."""
+TEXT_MODELS = ("gpt-char", *HF_MODELS)
+"""The models that read characters of text (data.path, the char vocabulary, block_size)."""
+MODELS = ("gpt-char", "mlp-digits", "recsys", *HF_MODELS)
 MODULES, WIDTH = 1024, 2**20
 LIMITS = {
     "n_layer": MODULES,
@@ -34,16 +39,17 @@ class ModelConfig:
     """Which built-in model to train and its size (nanoGPT's names)."""
 
     name: str = "gpt-char"
-    """Built-in model: gpt-char (character-level transformer), mlp-digits, or recsys (DLRM-style
-    click model on a synthetic click log)."""
+    """Built-in model: gpt-char (character-level transformer), mlp-digits, recsys (DLRM-style
+    click model on a synthetic click log), or hf:gpt2 / hf:llama (Hugging Face transformers'
+    GPT2LMHeadModel / LlamaForCausalLM, built from their config class, on gpt-char's text)."""
     n_layer: int = 4
-    """Transformer blocks (gpt-char)."""
+    """Transformer blocks (gpt-char, hf:*)."""
     n_head: int = 4
-    """Attention heads per block (gpt-char); must divide n_embd."""
+    """Attention heads per block (gpt-char, hf:*); must divide n_embd (hf:llama: into an even head width)."""
     n_embd: int = 128
-    """Embedding width (gpt-char)."""
+    """Embedding width (gpt-char, hf:*)."""
     block_size: int = 128
-    """Context length in characters (gpt-char)."""
+    """Context length in characters (gpt-char, hf:*)."""
     dropout: float = 0.0
     """Dropout probability; 0 keeps training deterministic and parity exact."""
     bias: bool = True
@@ -81,11 +87,16 @@ class ModelConfig:
         _checks.fraction("model", "dropout", self.dropout)
         if self.n_embd % self.n_head:
             raise UsageError(f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}")
+        if self.name == "hf:llama" and (self.n_embd // self.n_head) % 2:  # rotary embeddings turn pairs
+            raise UsageError(
+                f"hf:llama's head width model.n_embd / model.n_head = {self.n_embd // self.n_head} must be even "
+                "(rotary position embeddings rotate pairs of channels)"
+            )
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Where the training text comes from (gpt-char)."""
+    """Where the training text comes from (gpt-char, hf:*)."""
 
     path: str = ""
     """UTF-8 text file or folder of text files; empty means the Python standard library's source."""

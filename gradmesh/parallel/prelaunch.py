@@ -2,6 +2,7 @@
 UsageError. Each imports its strategy's module only when called, so the CLI reads the registry
 without importing torch."""
 
+from gradmesh.errors import UsageError
 from gradmesh.mesh import DP_AXIS, PP_AXIS, TP_AXIS
 
 
@@ -12,8 +13,15 @@ def check_tp(cfg, mesh: dict[str, int], meta_model) -> None:
 
 
 def check_pipeline(cfg, mesh: dict[str, int], meta_model) -> None:
+    from gradmesh.config.workload import HF_MODELS
     from gradmesh.parallel.pipeline import check_pipeline as check
 
+    if cfg.model.name in HF_MODELS:
+        raise UsageError(
+            f"pipeline parallelism cannot cut --model {cfg.model.name}: a transformers model's forward runs "
+            "all of its blocks (making the attention mask and positions on the way), so no stage can run a "
+            "slice of it; use ddp, zero1 or fsdp (tp too for hf:llama), or gpt-char for a pipeline"
+        )
     train = cfg.train
     check(
         meta_model(),

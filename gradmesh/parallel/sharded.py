@@ -20,9 +20,10 @@ from gradmesh.mesh import DP_AXIS, FSDP_AXIS
 from gradmesh.parallel.options import DEFAULT_BUCKET_MB, ApplyOptions
 from gradmesh.topology import Topology
 
-# Sharding plan: class name -> attribute holding the blocks that become FSDP units (each one
-# all-gathers its parameters just before use and frees them after). The root is always a unit.
-FSDP_UNITS = {"GPT": "h", "MLP": None}
+# Sharding plan: class name -> the submodule (a dotted path) holding the blocks that become FSDP
+# units (each one all-gathers its parameters just before use and frees them after). The root is
+# always a unit. Hugging Face's models name their block lists as transformers builds them.
+FSDP_UNITS = {"GPT": "h", "MLP": None, "GPT2LMHeadModel": "transformer.h", "LlamaForCausalLM": "model.layers"}
 UNIT_BYTES = DEFAULT_BUCKET_MB * 2**20
 """Blocks that hold less than this together stay in the root unit: each unit costs an all-gather
 in forward and in backward and a reduce-scatter, and below DDP's bucket size the calls cost more
@@ -37,7 +38,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     name = type(model).__name__
     if name in FSDP_UNITS:
         attr = FSDP_UNITS[name]
-        return list(getattr(model, attr)) if attr else []
+        return list(cast(nn.ModuleList, model.get_submodule(attr))) if attr else []
     # A model gradmesh does not know: shard each block of its first ModuleList, as torchtitan
     # does for transformer layers.
     for module in model.modules():

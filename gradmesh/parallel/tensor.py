@@ -7,6 +7,8 @@ stream are row-split (partial sums, all-reduced). Embeddings, layer norms and th
 replicated; their gradients agree across tensor-parallel ranks because their inputs do.
 """
 
+from typing import cast
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -28,7 +30,7 @@ def apply_tp(model: nn.Module, topology: Topology, options=None) -> nn.Module:
     model.to(topology.device)
     assert topology.mesh is not None  # a session's topology has its mesh once started
     mesh = topology.mesh[TP_AXIS]
-    for block in getattr(model, blocks_attr):
+    for block in cast(nn.ModuleList, model.get_submodule(blocks_attr)):
         parallelize_module(block, mesh, {path: STYLES[style]() for path, style in block_plan.items()})
     return model
 

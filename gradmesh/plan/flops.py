@@ -14,6 +14,7 @@ memory-bound: bytes each parameter's update reads and writes over the device's m
 from types import SimpleNamespace
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from gradmesh.config import Config
@@ -28,10 +29,11 @@ workspaces, the caching allocator's slack): an allowance, not a figure from any 
 
 def meta_batch(cfg: Config, samples: int) -> tuple[torch.Tensor, ...]:
     """A batch of `samples` in the configured workload's input format, on the meta device."""
+    from gradmesh.config.workload import TEXT_MODELS
     from gradmesh.data import clicks
 
     with torch.device("meta"):
-        if cfg.model.name == "gpt-char":
+        if cfg.model.name in TEXT_MODELS:
             tokens = torch.zeros(samples, cfg.model.block_size, dtype=torch.long)
             return tokens, tokens.clone()
         if cfg.model.name == "recsys":
@@ -41,9 +43,16 @@ def meta_batch(cfg: Config, samples: int) -> tuple[torch.Tensor, ...]:
 
 
 def loss_function(cfg: Config):
+    from gradmesh import hf
+    from gradmesh.config.workload import HF_MODELS
     from gradmesh.models import dlrm, gpt, mlp
 
-    return {"gpt-char": gpt.per_sample_loss, "recsys": dlrm.per_sample_loss}.get(cfg.model.name, mlp.per_sample_loss)
+    losses = {
+        "gpt-char": gpt.per_sample_loss,
+        "recsys": dlrm.per_sample_loss,
+        **dict.fromkeys(HF_MODELS, hf.per_sample_loss),
+    }
+    return losses.get(cfg.model.name, mlp.per_sample_loss)
 
 
 def _pass(model, loss_fn, batch) -> tuple[float, float]:
@@ -59,7 +68,12 @@ def _pass(model, loss_fn, batch) -> tuple[float, float]:
 
     counter = FlopCounterMode(display=False)
     with counter:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        # Fake tensors over the meta ones: code that looks at a tensor's values (transformers' mask
+        # code asks whether the positions hold packed sequences) takes its tracing path, not .item().
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+            FakeTensorMode(allow_non_fake_inputs=True),
+        ):
             loss = loss_fn(model, batch).mean()
         loss.backward()
     return float(counter.get_total_flops()), float(sum(t.numel() * t.element_size() for t in saved.values()))
