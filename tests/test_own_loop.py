@@ -138,3 +138,21 @@ def test_save_inside_the_loop_checkpoints_the_step_under_way_and_early_stop_ends
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir()) == ["step-3", "step-5"]
     assert summary(tmp_path / "r")["steps"] == 5 and [r["step"] for r in metrics(tmp_path / "r")] == [1, 2, 3, 4, 5]
+
+
+HF_EXAMPLE = EXAMPLE.with_name("hf_causal_lm.py")
+HF_TINY = ("--steps", "10", "--global-batch-size", "8", "--block-size", "32", "--layers", "2", "--width", "64",
+           "--max-chars", "60000")
+
+
+def test_the_hugging_face_example_under_fsdp_trains_the_single_process_model(tmp_path):
+    """examples/hf_causal_lm.py: transformers' GPT-2 from its config in an own loop, FSDP on 2 ranks."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    one = subprocess.run([sys.executable, str(HF_EXAMPLE), "--run-dir", str(tmp_path / "one"), *HF_TINY],
+                         capture_output=True, text=True, timeout=180)
+    assert one.returncode == 0, one.stderr
+    done = gradmesh("run", "--nproc", "2", str(HF_EXAMPLE), "--strategy", "fsdp", "--run-dir", str(tmp_path / "two"),
+                    *HF_TINY, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert rel_l2(weights(tmp_path / "two"), weights(tmp_path / "one")) <= 1e-5
+    assert summary(tmp_path / "two")["strategy"] == "fsdp"
