@@ -66,18 +66,23 @@ def private_bytes(pid: int) -> int:
     return sum(int(fields[key].split()[0]) * 1024 for key in ("Private_Clean", "Private_Dirty"))
 
 
-def workers_of(run_dir: str) -> dict[int, int]:
-    """rank -> pid of the job's worker processes (found by their config path)."""
-    found = {}
+def workers_of(run_dir: str, launcher: int) -> dict[int, int]:
+    """rank -> pid of the job's worker processes: those whose environment names their RANK (a
+    worker started as a fresh interpreter), else the launcher's forked children, which share its
+    command line and environment, in the order they were forked (rank order; ascending pids)."""
+    found, forked = {}, []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and run_dir in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                env = dict(item.split("=", 1) for item in (proc / "environ").read_bytes().decode().split("\0") if "=" in item)
-                if "RANK" in env and "gradmesh.worker" in (proc / "cmdline").read_bytes().decode():
-                    found[int(env["RANK"])] = int(proc.name)
-        except OSError:
+            if not proc.name.isdigit() or run_dir not in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            env = dict(item.split("=", 1) for item in (proc / "environ").read_bytes().decode().split("\0") if "=" in item)
+            if "RANK" in env:
+                found[int(env["RANK"])] = int(proc.name)
+            elif int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher:
+                forked.append(int(proc.name))
+        except (OSError, ValueError, IndexError):
             continue
-    return found
+    return found or dict(enumerate(sorted(forked)))
 
 
 def train(nproc: int, steps: int, *extra: str) -> tuple[list[dict], list[int]]:
@@ -93,7 +98,7 @@ def train(nproc: int, steps: int, *extra: str) -> tuple[list[dict], list[int]]:
             while not stop.wait(0.05):
                 if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
                     return
-                for rank, pid in workers_of(run_dir).items():
+                for rank, pid in workers_of(run_dir, job.pid).items():
                     try:
                         peaks[rank] = max(peaks[rank], private_bytes(pid))
                     except (OSError, KeyError, ValueError):
