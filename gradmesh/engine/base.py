@@ -39,6 +39,7 @@ from gradmesh.engine.records import (  # noqa: F401
     scheduled_lr,
     to_device,
 )
+from gradmesh.parallel import batchnorm
 from gradmesh.parallel.compose import apply_plan, gradient_sync
 from gradmesh.parallel.options import DEFAULT_BUCKET_MB, ApplyOptions
 from gradmesh.parallel.registry import Plan, load
@@ -110,6 +111,8 @@ class Engine:
             pipeline=self.pipeline_options(model),
         )
         self.model = apply_plan(model, topology, plan, self.options)
+        self.norms = batchnorm.layers(model)
+        """Synchronised batch norm layers: each forward of theirs is a collective."""
         owner = plan.state_owner
         self.optimizer = load(owner.optimizer)(
             grouped(self.model, job.groups), topology, job.optimizer_class, **job.optimizer_kwargs

@@ -10,6 +10,7 @@ import torch
 
 from gradmesh.data import GlobalBatch, fetch
 from gradmesh.engine.base import Engine, StepProbe, to_device
+from gradmesh.parallel import batchnorm
 
 
 class CollectiveEngine(Engine):
@@ -30,7 +31,7 @@ class CollectiveEngine(Engine):
         where the plan reads every rank's share (`Plan.reads_every_share`), every data-parallel
         rank's indices per micro-batch (None elsewhere)."""
         plan = self.plan
-        if not plan.equal_micro_batches:
+        if not (plan.equal_micro_batches or self.norms):  # a synchronised norm's forward is a collective too
             return self.micro_batches(batch), None
         everyone = [self.micro_batches(batch, rank) for rank in range(self.topology.dp_size)]
         most = max(len(runs) for runs in everyone)
@@ -48,7 +49,8 @@ class CollectiveEngine(Engine):
                 if every is not None:
                     self.show_every_share(data, [fetch(self.job.dataset, share) for share in every[i]])
             with self.sync(last_micro_batch=i == len(runs) - 1):
-                with clock.phase("forward"), probe.around_forward(len(indices) if i == 0 else 0):
+                padding = batchnorm.counting(self.norms, weight > 0)  # takes no part in batch statistics
+                with clock.phase("forward"), probe.around_forward(len(indices) if i == 0 else 0), padding:
                     losses = self.job.loss_fn(self.model, data)
                     if i == 0:
                         probe.in_forward()

@@ -10,6 +10,7 @@ import contextlib
 
 import torch.nn as nn
 
+from gradmesh.parallel.batchnorm import bind
 from gradmesh.parallel.options import ApplyOptions
 from gradmesh.parallel.registry import Plan, Strategy, load
 from gradmesh.topology import Topology
@@ -23,6 +24,9 @@ def _functions(plan: Plan, row: Strategy) -> tuple[str, str | None]:
 
 def apply_plan(model: nn.Module, topology: Topology, plan: Plan, options: ApplyOptions) -> nn.Module:
     """The plain model with every row of the plan applied, in order."""
+    # Synchronised batch norm first, on the plain model's own layers (every wrapper keeps them):
+    # its statistics span the ranks that hold different samples.
+    bind(model, topology)
     for row in plan.rows:
         model = load(_functions(plan, row)[0])(model, topology, options)
     return model

@@ -38,8 +38,10 @@ def _wrap(model: nn.Module, topology: Topology, options: ApplyOptions) -> Distri
         device_ids=device_ids,
         process_group=topology.group("dp"),
         bucket_cap_mb=options.bucket_mb,
-        # Buffers are synced once at construction; the built-in models never change them, so
-        # the per-forward broadcast would be a wasted collective per micro-batch.
+        # Buffers are synced once at construction; the only ones the built-in models change,
+        # BatchNorm's running statistics, synchronised batch norm keeps the same on every rank
+        # (gradmesh.parallel.batchnorm), so the per-forward broadcast would be a wasted
+        # collective per micro-batch.
         forward_sync_buffers=False,
     )
     return hooks.register(ddp, options.reducer)
