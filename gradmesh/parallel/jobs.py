@@ -24,6 +24,7 @@ def job_plan(cfg: configuration.Config, nproc: int, world: int, meta_model) -> r
         )
     cfg.check_world(math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
     plan = registry.resolve(cfg.train.strategy, mesh)
+    check_batch_norm(cfg, plan, meta_model)
     plan.check(cfg, meta_model)
     check_balance(cfg, plan, math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
     method = parse_compression(cfg.train.compression)[0]
@@ -33,6 +34,22 @@ def job_plan(cfg: configuration.Config, nproc: int, world: int, meta_model) -> r
             f"--compression {cfg.train.compression} does not apply to {plan.label}; accepted with it: {accepted}"
         )
     return plan
+
+
+def check_batch_norm(cfg: configuration.Config, plan: registry.Plan, meta_model) -> None:
+    """A model with batch normalisation trains only under plans whose ranks each run the whole
+    model on their share, in step (`Strategy.batch_norm`): its batch statistics span those ranks."""
+    if plan.batch_norm:
+        return
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if any(isinstance(module, _BatchNorm) for module in meta_model().modules()):
+        accepted = [row.name for row in registry.ROWS if row.batch_norm]
+        raise UsageError(
+            f"--model {cfg.model.name} has batch normalisation, which trains under --strategy "
+            f"{', '.join(accepted[:-1])} or {accepted[-1]} (each rank the whole model on its share, in step with "
+            f"the others), not {plan.label}; use one of those"
+        )
 
 
 def check_balance(cfg: configuration.Config, plan: registry.Plan, data_ranks: int) -> None:

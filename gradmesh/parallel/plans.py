@@ -59,6 +59,11 @@ class Plan:
         return any(row.collective_forward or row.every_share for row in self.rows)
 
     @property
+    def batch_norm(self) -> bool:
+        """Models with batch normalisation train under it (`Strategy.batch_norm`)."""
+        return all(row.batch_norm for row in self.rows)
+
+    @property
     def reads_every_share(self) -> bool:
         """Some row is shown every rank's share of each micro-batch (`Strategy.every_share`)."""
         return any(row.every_share for row in self.rows)

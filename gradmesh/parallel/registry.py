@@ -54,6 +54,7 @@ ROWS = (
         beside_model_parallel=("gradmesh.parallel.data:apply_local", "gradmesh.parallel.data:flat_average_sync"),
         replicated=True,
         inplace_recovery=True,
+        batch_norm=True,
     ),
     Strategy(
         "zero1",
@@ -68,6 +69,7 @@ ROWS = (
         optimizer_state="gradmesh.parallel.sharded:zero1_state",
         load_optimizer_state="gradmesh.parallel.sharded:zero1_loaded",
         replicated=True,
+        batch_norm=True,
     ),
     Strategy(
         "fsdp",
@@ -81,6 +83,7 @@ ROWS = (
         sync="gradmesh.parallel.sharded:fsdp_sync",
         casts_only=True,
         collective_forward=True,
+        batch_norm=True,
     ),
     Strategy(
         "tp",

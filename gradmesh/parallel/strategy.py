@@ -96,6 +96,10 @@ class Strategy:
     shown them before each micro-batch (the collective engine's ranks then run as many
     micro-batches each). `tables`: each owner knows which of its rows every rank will look up,
     with no exchange of ids."""
+    batch_norm: bool = False
+    """Models with batch normalisation train under it: each rank runs the whole model on its own
+    share of every micro-batch, in step with the others, so their batch statistics are taken over
+    all those ranks together (`gradmesh.parallel.batchnorm`)."""
     shards_tables: bool = False
     """The model's sparse tables are split by rows over the ranks, each making its own rows
     (`model.init_rows`): the workload keeps its whole tables on the meta device."""
