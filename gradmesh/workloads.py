@@ -3,7 +3,8 @@
 gpt-char: a small GPT on characters of the Python standard library's source (or --data text);
 hf:gpt2 and hf:llama: Hugging Face transformers models on the same text (`gradmesh.hf`);
 mlp-digits: an MLP on scikit-learn's 8x8 digits; recsys: a DLRM-style click model on a synthetic
-click log with a known ceiling. All go through the public Trainer API.
+click log with a known ceiling; resnet: torchvision's ResNet-18 on generated images of coloured
+shapes, whose ceiling is 100%. All go through the public Trainer API.
 """
 
 from collections.abc import Callable, Sized
@@ -15,11 +16,12 @@ from torch.overrides import TorchFunctionMode
 
 from gradmesh.config import Config
 from gradmesh.config.workload import HF_MODELS, TEXT_MODELS
-from gradmesh.data import clicks, fetch
+from gradmesh.data import clicks, fetch, shapes
 from gradmesh.data.corpus import CharVocab, char_datasets, load_text
 from gradmesh.data.digits import digits_datasets
 from gradmesh.errors import UsageError
-from gradmesh.models import dlrm, gpt, mlp
+from gradmesh.models import dlrm, gpt, mlp, resnet
+from gradmesh.parallel.batchnorm import convert_sync_batchnorm
 
 
 @dataclass
@@ -118,20 +120,36 @@ def hf_char(cfg: Config, device: torch.device) -> Workload:
     return _char_workload(cfg, device, make, hf.per_sample_loss, hf.sampler(cfg))
 
 
+def _correct(net, data) -> int:
+    inputs, labels = data
+    return int((net(inputs).argmax(dim=1) == labels).sum().item())
+
+
 def mlp_digits(cfg: Config, device: torch.device) -> Workload:
     train, held_out = digits_datasets()
     model = mlp.MLP(hidden=cfg.model.hidden, dropout=cfg.model.dropout)
     batches = _held_out_batches(held_out, len(held_out), cfg.train.global_batch_size)
 
-    def correct(net, data):
-        features, labels = data
-        return (net(features).argmax(dim=1) == labels).sum().item()
-
     def evaluate(net):
-        return _mean_eval(net, held_out, batches, mlp.per_sample_loss, device, correct)
+        return _mean_eval(net, held_out, batches, mlp.per_sample_loss, device, _correct)
 
     info = {"train_samples": len(train), "eval_samples": len(held_out)}
     return Workload(model, mlp.per_sample_loss, train, evaluate, mlp.sample_losses, info=info)
+
+
+def resnet_shapes(cfg: Config, device: torch.device) -> Workload:
+    train, held_out = shapes.generate(cfg.model.samples, cfg.model.image_size)
+    model = resnet.resnet18(len(shapes.SHAPES), cfg.model.width)
+    if cfg.model.sync_bn:  # bound to the data-parallel ranks where the strategies are applied
+        model = convert_sync_batchnorm(model)
+    batches = _held_out_batches(held_out, len(held_out), cfg.train.global_batch_size)
+
+    def evaluate(net):
+        metrics = _mean_eval(net, held_out, batches, resnet.per_sample_loss, device, _correct)
+        return {**metrics, "accuracy_ceiling": shapes.ACCURACY_CEILING}
+
+    info = {"train_samples": len(train), "eval_samples": len(held_out), "classes": list(shapes.SHAPES)}
+    return Workload(model, resnet.per_sample_loss, train, evaluate, resnet.sample_losses, info=info)
 
 
 def click_spec(cfg: Config) -> clicks.ClickSpec:
@@ -182,6 +200,8 @@ def recsys(cfg: Config, device: torch.device, remote_tables: bool = False) -> Wo
 
 def data_bytes(cfg: Config) -> int:
     """Host memory one rank's copy of the workload's data takes, where that can be large."""
+    if cfg.model.name == "resnet":
+        return shapes.data_bytes(cfg.model.samples, cfg.model.image_size)
     if cfg.model.name != "recsys":
         return 0
     return cfg.model.samples * (4 * clicks.DENSE + 8 * cfg.model.tables + 8)  # dense, ids, click and truth
@@ -197,7 +217,13 @@ def recsys_optimizer(cfg: Config, model: dlrm.DLRM) -> tuple[type, dict]:
     return with_rowwise_tables(base), {**kwargs, "tables": tables, "table_lr": cfg.train.table_lr}
 
 
-BUILDERS = {"gpt-char": gpt_char, "mlp-digits": mlp_digits, "recsys": recsys, **dict.fromkeys(HF_MODELS, hf_char)}
+BUILDERS = {
+    "gpt-char": gpt_char,
+    "mlp-digits": mlp_digits,
+    "recsys": recsys,
+    "resnet": resnet_shapes,
+    **dict.fromkeys(HF_MODELS, hf_char),
+}
 
 
 def build(cfg: Config, device: torch.device, remote_tables: bool = False) -> Workload:
@@ -223,6 +249,8 @@ class _MetaInitSkipped(TorchFunctionMode):
 
 def meta_model(cfg: Config) -> nn.Module:
     """The configured model on the meta device (no memory, no data): for checks before launch."""
+    if cfg.model.name == "resnet":
+        resnet.torchvision()  # imported outside the meta device: a tensor it makes at import is a real one
     with torch.device("meta"), _MetaInitSkipped():
         if cfg.model.name in TEXT_MODELS:
             vocab_size = len(CharVocab.of(load_text(cfg.data.path, cfg.data.max_chars)).chars)
@@ -233,6 +261,8 @@ def meta_model(cfg: Config) -> nn.Module:
             return gpt.GPT(_gpt_config(cfg, vocab_size))
         if cfg.model.name == "recsys":
             return dlrm.DLRM(click_spec(cfg).rows, cfg.model.dim, clicks.DENSE, cfg.model.hidden, materialize=False)
+        if cfg.model.name == "resnet":
+            return resnet.resnet18(len(shapes.SHAPES), cfg.model.width)
         return mlp.MLP(hidden=cfg.model.hidden)
 
 

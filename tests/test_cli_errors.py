@@ -44,7 +44,7 @@ def files(tmp_path, monkeypatch):
 
 
 CASES = {
-    "unknown model": (["--model", "resnet"], ["resnet", "gpt-char", "mlp-digits"]),
+    "unknown model": (["--model", "vgg"], ["vgg", "gpt-char", "mlp-digits", "resnet"]),
     "unknown strategy": (["--strategy", "magic"], ["magic", "ddp"]),
     "ps without a worker": (["--strategy", "ps", "--nproc", "2", "--ps-servers", "2"], ["--ps-servers 2", "worker"]),
     "ps without a server": (["--strategy", "ps", "--nproc", "2", "--ps-servers", "0"], ["ps.servers", ">= 1"]),
@@ -152,8 +152,20 @@ SPECIAL_FILES = {
     "too little text for one sample": (["--data", "{tmp}/small.txt", "--set", "data.max_chars=1"], ["too few", "block_size"]),
     "--data with a model that reads none": (["--model", "mlp-digits", "--data", "{tmp}/small.txt"], ["data.path", "gpt-char, hf:gpt2, hf:llama only"]),
 }
+# A model with batch normalisation trains where every rank runs the whole model in step (ddp, zero1, fsdp).
+BATCH_NORM = {
+    f"resnet under {label}": (["--model", "resnet", *args], ["--model resnet", "batch normalisation", "ddp, zero1 or fsdp",
+                                                             f"not {label}"])
+    for label, args in {"tp": ["--strategy", "tp", "--nproc", "2"],
+                        "pipeline": ["--strategy", "pipeline", "--nproc", "2"],
+                        "ps": ["--strategy", "ps", "--nproc", "3"],
+                        "dp=2,tp=2": ["--nproc", "4", "--mesh", "dp=2,tp=2"]}.items()
+}
+BATCH_NORM["resnet images too small"] = (["--model", "resnet", "--set", "model.image_size=8"],
+                                         ["model.image_size", "at least 16"])
 CASES.update(NUMBERS)
 CASES.update(SPECIAL_FILES)
+CASES.update(BATCH_NORM)
 # The other commands, whole command lines.
 COMMANDS = {
     "export into a FIFO": (["export", "{tmp}", "--out", "{tmp}/fifo"], ["--out", "a FIFO"]),

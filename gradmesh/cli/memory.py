@@ -16,6 +16,7 @@ SIZE_KEYS = {
     **dict.fromkeys(configuration.TEXT_MODELS, "model.n_layer, model.n_embd"),
     "mlp-digits": "model.hidden",
     "recsys": "model.rows, model.dim",
+    "resnet": "model.width",
 }
 
 
@@ -93,14 +94,14 @@ def _sharded(size: registry.ModelSize, world: int, sharing: int, need: float) ->
 
 
 def _check_data(cfg: configuration.Config, nproc: int, have: int | None) -> None:
-    """Every local rank generates and holds the whole synthetic click log (recsys)."""
+    """Every local rank generates and holds the whole synthetic data set (recsys, resnet)."""
     from gradmesh import workloads
 
     need = workloads.data_bytes(cfg) * nproc
     if have is None or need <= have / 2:  # the model, torch and the generation's temporaries need the rest
         return
     raise UsageError(
-        f"model.samples={cfg.model.samples:,}: the click log takes ~{need / GIB:.1f} GiB on {nproc} "
+        f"model.samples={cfg.model.samples:,}: the {cfg.model.name} data takes ~{need / GIB:.1f} GiB on {nproc} "
         f"rank(s) (each holds all of it) but this machine has {have / GIB:.1f} GiB; use at most "
         f"model.samples={int(cfg.model.samples * have / 2 / need):,}"
     )

@@ -38,8 +38,11 @@ def _add_what_options(train: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--model",
         choices=configuration.MODELS,
-        help="built-in model (default gpt-char); hf:gpt2 and hf:llama: Hugging Face transformers models "
-        "built from their config class, sized by model.* (pip install 'gradmesh[hf]')",
+        help="built-in model (default gpt-char): gpt-char, a character-level GPT on Python's own source; "
+        "mlp-digits, an MLP on scikit-learn's 8x8 digits; recsys, a DLRM-style click model on a synthetic "
+        "click log; resnet, torchvision's ResNet-18 on generated images of coloured shapes (ddp, zero1 or fsdp; "
+        "--set model.width=, model.image_size=, model.sync_bn=); hf:gpt2 and hf:llama: Hugging Face "
+        "transformers models built from their config class, sized by model.* (pip install 'gradmesh[hf]')",
     )
     what.add_argument(
         "--data",

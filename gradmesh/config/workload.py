@@ -14,7 +14,7 @@ HF_MODELS = ("hf:gpt2", "hf:llama")
 by the model.* settings and trained on gpt-char's text: the `hf` extra brings transformers."""
 TEXT_MODELS = ("gpt-char", *HF_MODELS)
 """The models that read characters of text (data.path, the char vocabulary, block_size)."""
-MODELS = ("gpt-char", "mlp-digits", "recsys", *HF_MODELS)
+MODELS = ("gpt-char", "mlp-digits", "recsys", "resnet", *HF_MODELS)
 MODULES, WIDTH = 1024, 2**20
 LIMITS = {
     "n_layer": MODULES,
@@ -23,6 +23,8 @@ LIMITS = {
     "n_head": WIDTH,
     "hidden": WIDTH,
     "dim": 2**16,
+    "width": 2**12,
+    "image_size": 2**10,
     "block_size": 2**24,
     "rows": 2**40,
 }
@@ -30,6 +32,7 @@ LIMITS = {
 device) before launch to check the model fits: 10^5 blocks take minutes there (GPT-3 has 96
 blocks, Criteo's click log 26 tables). Widths and lengths stay far below where their products
 overflow torch's 64-bit element counts (an error inside torch, not the memory check's one line)."""
+MIN_IMAGE_SIZE = 16
 MAX_CHARS = 100_000_000
 """data.max_chars at most: every rank holds the corpus as 8-byte tokens (~800 MB at the bound)."""
 
@@ -40,8 +43,9 @@ class ModelConfig:
 
     name: str = "gpt-char"
     """Built-in model: gpt-char (character-level transformer), mlp-digits, recsys (DLRM-style
-    click model on a synthetic click log), or hf:gpt2 / hf:llama (Hugging Face transformers'
-    GPT2LMHeadModel / LlamaForCausalLM, built from their config class, on gpt-char's text)."""
+    click model on a synthetic click log), resnet (torchvision's ResNet-18 on generated images of
+    coloured shapes), or hf:gpt2 / hf:llama (Hugging Face transformers' GPT2LMHeadModel /
+    LlamaForCausalLM, built from their config class, on gpt-char's text)."""
     n_layer: int = 4
     """Transformer blocks (gpt-char, hf:*)."""
     n_head: int = 4
@@ -65,12 +69,24 @@ class ModelConfig:
     zipf: float = 1.1
     """Exponent of the Zipf distribution the click log's ids are drawn from (recsys)."""
     samples: int = 3_000_000
-    """Samples in the synthetic click log, training and held out (recsys)."""
+    """Samples in the synthetic click log (recsys) or image set (resnet; its default 24,000),
+    training and held out."""
+    width: int = 64
+    """Channels of the ResNet's first stage; the later stages have twice, four and eight times as
+    many (resnet; 64 is torchvision's ResNet-18)."""
+    image_size: int = 16
+    """Side of the generated images in pixels, at least 16: smaller shapes stop being told apart
+    with certainty (resnet)."""
+    sync_bn: bool = True
+    """Batch statistics over every data-parallel rank's share together, so that N ranks train the
+    model one process does (resnet); false: each rank normalises by its own share and keeps its
+    own running statistics (rank 0's are saved)."""
 
     def __post_init__(self):
         _finite(self)
         _one_of("model", "name", self.name, MODELS)
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "hidden", "tables", "rows", "dim", "samples"):
+        names = ("n_layer", "n_head", "n_embd", "block_size", "hidden", "tables", "rows", "dim", "samples", "width")
+        for name in names:
             _positive("model", name, getattr(self, name))
         for name, limit in LIMITS.items():
             if getattr(self, name) > limit:
@@ -78,6 +94,11 @@ class ModelConfig:
                     f"model.{name} must be at most {limit:,} (a model built before launch to check that "
                     f"it fits), got {getattr(self, name):,}"
                 )
+        if self.image_size < MIN_IMAGE_SIZE:
+            raise UsageError(
+                f"model.image_size must be at least {MIN_IMAGE_SIZE} (smaller shapes stop being told apart "
+                f"with certainty), got {self.image_size}"
+            )
         if self.zipf <= 0:
             raise UsageError(f"model.zipf must be > 0 (a Zipf exponent; 1.1 is the default), got {self.zipf}")
         if self.rows < self.tables:

@@ -36,6 +36,9 @@ def meta_batch(cfg: Config, samples: int) -> tuple[torch.Tensor, ...]:
         if cfg.model.name in TEXT_MODELS:
             tokens = torch.zeros(samples, cfg.model.block_size, dtype=torch.long)
             return tokens, tokens.clone()
+        if cfg.model.name == "resnet":
+            side = cfg.model.image_size
+            return torch.zeros(samples, 3, side, side), torch.zeros(samples, dtype=torch.long)
         if cfg.model.name == "recsys":
             ids = torch.zeros(samples, cfg.model.tables, dtype=torch.long)
             return torch.zeros(samples, clicks.DENSE), ids, torch.zeros(samples)
@@ -45,11 +48,12 @@ def meta_batch(cfg: Config, samples: int) -> tuple[torch.Tensor, ...]:
 def loss_function(cfg: Config):
     from gradmesh import hf
     from gradmesh.config.workload import HF_MODELS
-    from gradmesh.models import dlrm, gpt, mlp
+    from gradmesh.models import dlrm, gpt, mlp, resnet
 
     losses = {
         "gpt-char": gpt.per_sample_loss,
         "recsys": dlrm.per_sample_loss,
+        "resnet": resnet.per_sample_loss,
         **dict.fromkeys(HF_MODELS, hf.per_sample_loss),
     }
     return losses.get(cfg.model.name, mlp.per_sample_loss)
