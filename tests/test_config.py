@@ -18,7 +18,7 @@ def test_layers_later_wins_and_set_values_are_coerced():
 
 
 @pytest.mark.parametrize("layer, words", [
-    ({"model": {"name": "resnet"}}, ["resnet", "gpt-char", "mlp-digits"]),
+    ({"model": {"name": "vgg"}}, ["vgg", "gpt-char", "mlp-digits", "resnet"]),
     ({"train": {"optimizer": "adam"}}, ["adam", "adamw", "sgd"]),
     ({"model": {"n_head": 3}}, ["n_head=3", "n_embd=128"]),
     ({"train": {"max_steps": 0}}, ["max_steps", ">= 1"]),
