@@ -13,6 +13,12 @@ The Python API, for scripts launched with `gradmesh run` (or torchrun, or plain 
 
 import importlib
 
+from gradmesh import torchvision_compat
+
+# Before anything imports torchvision (gradmesh's resnet, transformers' model code): its PyPI
+# wheels fail to import beside the CPU torch unless two operators are declared first.
+torchvision_compat.install()
+
 __version__ = "0.1.0"
 __all__ = [
     "CheckpointConfig",

@@ -250,7 +250,7 @@ class _MetaInitSkipped(TorchFunctionMode):
 def meta_model(cfg: Config) -> nn.Module:
     """The configured model on the meta device (no memory, no data): for checks before launch."""
     if cfg.model.name == "resnet":
-        resnet.torchvision()  # imported outside the meta device: a tensor it makes at import is a real one
+        import torchvision  # noqa: F401 (outside the meta device: a tensor it makes at import is a real one)
     with torch.device("meta"), _MetaInitSkipped():
         if cfg.model.name in TEXT_MODELS:
             vocab_size = len(CharVocab.of(load_text(cfg.data.path, cfg.data.max_chars)).chars)

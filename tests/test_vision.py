@@ -65,9 +65,11 @@ def test_resnet_learns_the_shapes(catalogue):
 
 
 def test_the_model_is_torchvisions_resnet18_with_a_small_image_stem():
-    from gradmesh.models.resnet import resnet18, torchvision
+    import torchvision
 
-    model, original = resnet18(6), torchvision().models.resnet18(num_classes=6)
+    from gradmesh.models.resnet import resnet18
+
+    model, original = resnet18(6), torchvision.models.resnet18(num_classes=6)
     assert type(model) is type(original)
     assert {k: v.shape for k, v in model.state_dict().items() if k != "conv1.weight"} == {
         k: v.shape for k, v in original.state_dict().items() if k != "conv1.weight"}

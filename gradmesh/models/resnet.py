@@ -10,56 +10,18 @@ Plain PyTorch with no distributed code: its BatchNorm layers are torch's own, an
 batch statistics are applied from outside like any strategy.
 """
 
-import importlib.machinery
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-_DECLARED: list[torch.library.Library] = []
-"""The stand-in operator library, kept alive: torch drops a Library's definitions with it."""
-
-
-def _extension_loads() -> bool:
-    """Whether torchvision's compiled operators (its `_C` extension) load beside this torch."""
-    spec = importlib.util.find_spec("torchvision")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-            path = Path(folder, "_C" + suffix)
-            if path.is_file():
-                try:
-                    torch.ops.load_library(str(path))
-                    return True
-                except OSError:
-                    return False
-    return False
-
-
-def torchvision():
-    """torchvision, importable beside torch's CPU wheel.
-
-    torchvision's wheels on PyPI are CUDA builds: beside the CPU torch their `_C` extension (nms,
-    roi_align, ...) cannot load, and torchvision's import then fails registering a fake kernel for
-    an operator that was never defined ("operator torchvision::nms does not exist",
-    pytorch/vision#9085). The models use none of those operators; where the extension does not
-    load, the two the import touches unguarded are declared first (schemas only: calling them still
-    fails, as it would without the extension)."""
-    if "torchvision" not in sys.modules and not _DECLARED and not _extension_loads():
-        library = torch.library.Library("torchvision", "DEF")
-        for name in ("nms", "qnms"):
-            library.define(f"{name}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _DECLARED.append(library)
-    import torchvision as found
-
-    return found
-
 
 def resnet18(classes: int, width: int = 64) -> nn.Module:
     """ResNet-18 for small images with `classes` outputs and stage widths width .. 8 x width."""
-    resnet = torchvision().models.resnet
+    # Imported here, not at the top: torchvision's import (its datasets, transforms and PIL) is
+    # slow, and only this workload's processes should pay for it. Importable beside the CPU
+    # torch through gradmesh.torchvision_compat.
+    from torchvision.models import resnet
+
     model = resnet.resnet18(num_classes=classes)
     model.conv1 = nn.Conv2d(3, width, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
