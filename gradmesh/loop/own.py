@@ -39,6 +39,7 @@ from gradmesh.errors import UsageError
 from gradmesh.loop.nonfinite import RollBack
 from gradmesh.loop.session import init
 from gradmesh.loop.trainer import Trainer
+from gradmesh.parallel import batchnorm
 from gradmesh.parallel.registry import STRATEGIES, load, mesh_for, resolve
 
 OWN_ROWS = tuple(
@@ -154,7 +155,8 @@ class Loop:
             with trainer.probe.clock.phase("data"):
                 data = to_device(fetch(trainer.engine.job.dataset, indices), self.session.device)
             self.micro = _Micro(indices, weight, i == len(runs) - 1, time.perf_counter())
-            with engine.sync(last_micro_batch=self.micro.last):
+            # a padding micro-batch (weight 0) takes no part in synchronised batch statistics
+            with engine.sync(last_micro_batch=self.micro.last), batchnorm.counting(engine.norms, weight > 0):
                 yield step, data
             if self.micro is not None:
                 raise UsageError(f"step {step}: call gm.backward(loss) once for every batch gm.batches gives")
