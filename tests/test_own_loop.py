@@ -146,6 +146,7 @@ HF_TINY = ("--steps", "10", "--global-batch-size", "8", "--block-size", "32", "-
            "--max-chars", "60000")
 
 
+@pytest.mark.slow  # two runs of a transformers model; test_hf.py keeps hf parity in the fast tier
 def test_the_hugging_face_example_under_fsdp_trains_the_single_process_model(tmp_path):
     """examples/hf_causal_lm.py: transformers' GPT-2 from its config in an own loop, FSDP on 2 ranks."""
     pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
@@ -159,6 +160,7 @@ def test_the_hugging_face_example_under_fsdp_trains_the_single_process_model(tmp
     assert summary(tmp_path / "two")["strategy"] == "fsdp"
 
 
+@pytest.mark.slow  # test_vision.py keeps synchronised BatchNorm's parity in the fast tier
 def test_the_resnet_example_trains_the_single_process_model_with_synchronised_batch_norm(tmp_path):
     """examples/resnet_shapes.py at width 8: BatchNorm statistics over the global batch on 2 ranks,
     as one process computes them (no short batch: a few images per rank make BatchNorm

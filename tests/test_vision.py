@@ -58,6 +58,7 @@ def test_without_synchronised_batch_norm_two_ranks_train_another_model(reference
     assert rel_l2(unsynced, reference["sgd"]) > 100 * TOLERANCE
 
 
+@pytest.mark.slow  # 80 steps of a width-16 ResNet: the fast tier keeps the parity runs
 def test_resnet_learns_the_shapes(catalogue):
     info = summary(catalogue.run(2, *LEARNS, tiny=False))
     assert info["eval"]["accuracy_ceiling"] == 1.0
