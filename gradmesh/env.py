@@ -148,3 +148,14 @@ def hub_offline() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+
+
+SCHEDULER_LAUNCH = ("NNODES", "NPROC_PER_NODE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ENDPOINT", "RDZV_ID")
+"""torchrun reads each of its flags from PET_<FLAG>; Kubeflow Trainer's torch runtime (and the v1
+PyTorchJob) hand a pod its place in the job as PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
+PET_MASTER_ADDR and PET_MASTER_PORT."""
+
+
+def scheduler_launch() -> dict[str, str]:
+    """The PET_* launch settings a cluster scheduler put in this process's environment."""
+    return {name: os.environ[f"PET_{name}"] for name in SCHEDULER_LAUNCH if os.environ.get(f"PET_{name}", "").strip()}

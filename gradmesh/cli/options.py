@@ -226,7 +226,9 @@ def resolve_config(args: argparse.Namespace) -> configuration.Config:
         layers.append(configuration.load_toml(saved))  # continue the run as it was configured
     if args.config:
         layers.append(configuration.load_toml(args.config))
-    layers += [flag_layer(args), configuration.parse_sets(args.set)]
+    from gradmesh.cli.scheduler import scheduler_layer
+
+    layers += [scheduler_layer(), flag_layer(args), configuration.parse_sets(args.set)]
     return configuration.build(layers)
 
 
