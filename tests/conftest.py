@@ -57,6 +57,10 @@ def pytest_collection_finish(session):
     if wanted and not Path(CHROMIUM).exists() and shutil.which("apt-get"):
         _chromium_install = threading.Thread(target=_install_chromium, args=(_chromium_log,), daemon=True)
         _chromium_install.start()
+    import slurm_cluster  # the Slurm tests' daemons, installed the same way, overlapping the tests before them
+
+    if any("slurm" in getattr(item, "fixturenames", ()) for item in session.items):
+        slurm_cluster.start_install()
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from gradmesh.cli.options import integer
 from gradmesh.errors import UsageError
 from gradmesh.files import atomic_write
 
+LAUNCH_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-backend", "--run-dir")
 NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 """A Kubernetes object name (an RFC 1123 label, as the operators need for their services)."""
 
@@ -41,14 +42,15 @@ def add_parser(subparsers) -> None:
                      help="gradmesh train's options, after --")  # fmt: skip
 
 
-def _train_options(given: list[str]) -> list[str]:
-    """The options after `--`, checked as `gradmesh train` would check them (one line, exit 2)."""
+def train_options(given: list[str], command: str, source: str, launch_flags=LAUNCH_FLAGS) -> list[str]:
+    """The options after `--`, checked as `gradmesh train` would check them (one line, exit 2);
+    the launch flags `command` sets itself from `source` are refused."""
     options = given[1:] if given[:1] == ["--"] else given
     from gradmesh.cli import build_parser
 
-    for launch_flag in ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--run-dir"):
+    for launch_flag in launch_flags:
         if any(o == launch_flag or o.startswith(launch_flag + "=") for o in options):
-            raise UsageError(f"gradmesh k8s sets {launch_flag} itself (the operator's PET_* variables); leave it out")
+            raise UsageError(f"{command} sets {launch_flag} itself ({source}); leave it out")
     build_parser().parse_args(["train", *options])
     return options
 
@@ -60,7 +62,8 @@ def cmd_k8s(args: argparse.Namespace) -> int:
         raise UsageError(f"--name {args.name!r}: lower-case letters, digits and '-', at most 63, as Kubernetes names")
     if args.nodes < 1 or args.gpus_per_node < 0 or (args.nproc_per_node is not None and args.nproc_per_node < 1):
         raise UsageError("--nodes and --nproc-per-node must be >= 1, --gpus-per-node >= 0")
-    command = ["gradmesh", "train", *_train_options(args.train), "--run-dir", args.run_dir]
+    options = train_options(args.train, "gradmesh k8s", "the operator's PET_* variables", ("--nproc", *LAUNCH_FLAGS))
+    command = ["gradmesh", "train", *options, "--run-dir", args.run_dir]
     spec = JobSpec(name=args.name, image=args.image, nodes=args.nodes, procs_per_node=args.nproc_per_node,
                    gpus_per_node=args.gpus_per_node, command=command, runtime=args.runtime)  # fmt: skip
     import yaml
