@@ -33,6 +33,13 @@ CHROMIUM = "/usr/bin/chromium"
 
 def _install_chromium(log: list[str]) -> None:
     """Debian's chromium for the dashboard's browser test, installed by the test setup itself."""
+    import slurm_cluster
+
+    with slurm_cluster.APT:  # the Slurm tests' install may run beside this one
+        _apt_chromium(log)
+
+
+def _apt_chromium(log: list[str]) -> None:
     for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
         result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
         log.append(f"$ {' '.join(cmd)} -> {result.returncode}\n{result.stdout[-2000:]}{result.stderr[-2000:]}")

@@ -16,7 +16,17 @@ from pathlib import Path
 PACKAGES = ("slurm-wlm", "munge")
 
 
+APT = threading.Lock()
+"""One apt-get at a time in this process: chromium's install (conftest) may run beside this one,
+and a second apt-get fails on dpkg's lock instead of waiting."""
+
+
 def install(log: list[str]) -> None:
+    with APT:
+        _apt(log)
+
+
+def _apt(log: list[str]) -> None:
     for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *PACKAGES]):
         done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
         log.append(f"$ {' '.join(cmd)} -> {done.returncode}\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
