@@ -104,3 +104,15 @@ def test_the_rendered_command_trains_across_two_hosts_from_the_operators_variabl
     assert [proc.returncode for proc in nodes] == [0, 0], errors
     assert rel_l2(weights(run_dir), weights(one)) <= 1e-5
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+
+
+def test_resume_if_any_starts_afresh_then_resumes(tmp_path):
+    """The pods' command carries --resume-if-any: the first start finds no checkpoint and starts
+    afresh; a restarted pod goes on from the latest one (here: 4 steps, then 2 more)."""
+    common = ("train", "--nproc", "1", "--model", "mlp-digits", "--checkpoint-every", "2",
+              "--run-dir", str(tmp_path / "r"), "--resume-if-any", "--quiet")
+    for steps, this_run in (("4", 4), ("6", 2)):
+        done = gradmesh(*common, "--max-steps", steps, timeout=120)
+        assert done.returncode == 0, done.stderr
+        found = json.loads((tmp_path / "r" / "summary.json").read_text())
+        assert (found["steps"], found["steps_this_run"]) == (int(steps), this_run)

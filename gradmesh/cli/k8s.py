@@ -63,7 +63,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.gpus_per_node < 0 or (args.nproc_per_node is not None and args.nproc_per_node < 1):
         raise UsageError("--nodes and --nproc-per-node must be >= 1, --gpus-per-node >= 0")
     options = train_options(args.train, "gradmesh k8s", "the operator's PET_* variables", ("--nproc", *LAUNCH_FLAGS))
-    command = ["gradmesh", "train", *options, "--run-dir", args.run_dir]
+    command = ["gradmesh", "train", *options, "--run-dir", args.run_dir, "--resume-if-any"]
     spec = JobSpec(name=args.name, image=args.image, nodes=args.nodes, procs_per_node=args.nproc_per_node,
                    gpus_per_node=args.gpus_per_node, command=command, runtime=args.runtime)  # fmt: skip
     import yaml

@@ -222,6 +222,10 @@ def resolve_config(args: argparse.Namespace) -> configuration.Config:
     layers = []
     run_dir = Path(args.run_dir or configuration.RunConfig().dir)
     saved = run_dir / "config.toml"
+    if getattr(args, "resume_if_any", None):  # decided now, at (re)start, not when the job was written
+        from gradmesh.fault.checkpoint import complete_checkpoints
+
+        args.resume = True if complete_checkpoints(run_dir) else args.resume
     if args.resume and saved.is_file():
         layers.append(configuration.load_toml(saved))  # continue the run as it was configured
     if args.config:

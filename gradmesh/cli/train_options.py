@@ -149,6 +149,12 @@ def _add_run_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--resume", action="store_true", default=None, help="continue from the latest checkpoint in --run-dir"
     )
     run.add_argument(
+        "--resume-if-any",
+        action="store_true",
+        default=None,
+        help="--resume when --run-dir holds a complete checkpoint, else start afresh (a restarted pod or requeued job)",
+    )
+    run.add_argument(
         "--async-checkpoint", action="store_true", default=None, help="write checkpoints in the background"
     )
     run.add_argument(

@@ -5,9 +5,9 @@ Both run `gradmesh train` in every pod with the same options. The operator hands
 place in the job as torchrun's PET_* variables (nodes, processes per node, node rank, the master
 pod's address and port), which `gradmesh train` reads itself (`gradmesh.cli.scheduler`): the
 command is the same on every node, as the runtime expects. The run directory must be on a volume
-every pod shares. A failed pod fails the job (restart policy Never: a restarted `gradmesh train`
-would find the run directory taken); to go on from the latest checkpoint, render the job again
-with `--resume` among the train options and apply it.
+every pod shares. `--resume-if-any` is in the command: a pod the operator restarts (restart
+policy OnFailure) goes on from the run directory's latest checkpoint; the first start, with none
+there, starts afresh.
 """
 
 from dataclasses import dataclass
@@ -50,7 +50,7 @@ def pytorchjob(spec: JobSpec) -> dict:
     container: dict = {"name": "pytorch", "image": spec.image, "command": spec.command}
     if spec.gpus_per_node:
         container["resources"] = _resources(spec)
-    replica = {"restartPolicy": "Never", "template": {"spec": {"containers": [container]}}}
+    replica = {"restartPolicy": "OnFailure", "template": {"spec": {"containers": [container]}}}
     replicas = {"Master": {"replicas": 1, **replica}}
     if spec.nodes > 1:
         replicas["Worker"] = {"replicas": spec.nodes - 1, **replica}
