@@ -40,6 +40,19 @@ def test_ddp_row_is_a_bucketed_ring_all_reduce_and_a_whole_optimizer_step():
     assert step.parts["optimizer"] == pytest.approx(PROFILE.params * 1e-8)
 
 
+def test_synchronised_batch_norm_adds_two_small_all_reduces_per_layer_and_micro_batch():
+    """Each layer: count + 2C float64 sums forward, 2C backward, ring bytes 2(N-1)/N of them."""
+    plain, normed = _step(), _step(norm_layers=3, norm_channels=40)
+    normed.micro = 2
+    costs.ddp(plain, 2)
+    costs.ddp(normed, 2)
+    extra = 2 * (6 * ALPHA + 2 * (2 - 1) / 2 * 8 * (4 * 40 + 3) * BETA)
+    assert normed.parts["comm"] - plain.parts["comm"] == pytest.approx(extra)
+    alone = _step(norm_layers=3, norm_channels=40)
+    costs.ddp(alone, 1)
+    assert alone.parts["comm"] == pytest.approx(0.0, abs=1e-12)  # one rank: no collective
+
+
 def test_sharded_rows_step_a_share_and_move_more_bytes_than_ddp():
     ddp, zero1, fsdp = _step(), _step(), _step()
     costs.ddp(ddp, 2)
@@ -106,6 +119,13 @@ def test_every_candidate_passes_the_checks_train_makes_and_the_refused_say_why()
     reasons = dict((c.strategy, why) for c, why in refused)
     assert "sparse embedding tables" in reasons["hybrid"]  # gpt-char has none
     assert len({c for c, _ in allowed}) == len(allowed)
+
+
+def test_a_batch_norm_model_is_offered_no_accumulation():
+    """Accumulation would normalise each micro-batch on its own: a different model, not a faster one."""
+    allowed, _ = candidates(build([{"model": {"name": "resnet"}}]), 2, 2)
+    assert allowed and {c.strategy for c, _ in allowed} <= {"ddp", "zero1", "fsdp"}
+    assert all(c.grad_accum == 1 for c, _ in allowed)
 
 
 def test_compressed_gradients_cost_their_wire_bytes_and_calls():

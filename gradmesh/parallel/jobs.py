@@ -36,14 +36,16 @@ def job_plan(cfg: configuration.Config, nproc: int, world: int, meta_model) -> r
     return plan
 
 
+def has_batch_norm(model) -> bool:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return any(isinstance(module, _BatchNorm) for module in model.modules())
+
+
 def check_batch_norm(cfg: configuration.Config, plan: registry.Plan, meta_model) -> None:
     """A model with batch normalisation trains only under plans whose ranks each run the whole
     model on their share, in step (`Strategy.batch_norm`): its batch statistics span those ranks."""
-    if plan.batch_norm:
-        return
-    from torch.nn.modules.batchnorm import _BatchNorm
-
-    if any(isinstance(module, _BatchNorm) for module in meta_model().modules()):
+    if not plan.batch_norm and has_batch_norm(meta_model()):
         accepted = [row.name for row in registry.ROWS if row.batch_norm]
         raise UsageError(
             f"--model {cfg.model.name} has batch normalisation, which trains under --strategy "

@@ -11,7 +11,7 @@ from gradmesh import config as configuration
 from gradmesh.errors import UsageError
 from gradmesh.mesh import DATA_AXES
 from gradmesh.parallel import registry
-from gradmesh.parallel.jobs import job_plan
+from gradmesh.parallel.jobs import has_batch_norm, job_plan
 
 MESHES = ("dp={d},tp={t}", "fsdp={d},tp={t}", "dp={d},pp={t}")
 """Two-axis meshes, model-parallel degree t, data-parallel degree d (d x t = world)."""
@@ -75,8 +75,9 @@ def _shapes(world: int) -> list[Candidate]:
     return found
 
 
-def _variants(base: Candidate, plan: registry.Plan) -> list[Candidate]:
-    """The settings that change this plan's step time."""
+def _variants(base: Candidate, plan: registry.Plan, batch_norm: bool = False) -> list[Candidate]:
+    """The settings that change this plan's step time (and not what the model learns: with
+    batch normalisation, accumulation would normalise each micro-batch on its own)."""
     found = [base]
     if data_ranks(plan) > 1:  # compression applies to gradients that travel between replicas
         found += [
@@ -84,7 +85,7 @@ def _variants(base: Candidate, plan: registry.Plan) -> list[Candidate]:
         ]
     if plan.pipelined:  # a pipeline accumulates over its micro-batches instead
         found += [dataclasses.replace(base, microbatches=m) for m in MICROBATCHES if m != base.microbatches]
-    else:
+    elif not batch_norm:
         found += [dataclasses.replace(base, grad_accum=k) for k in ACCUMULATION if k > 1]
     return found
 
@@ -116,4 +117,4 @@ def _expand(shape: Candidate, cfg, nproc: int, world: int, meta_model) -> list[C
         plan = job_plan(shape.configured(cfg), nproc, world, meta_model)
     except UsageError:
         return [shape]  # refused as it stands: reported once, with its reason
-    return _variants(shape, plan)
+    return _variants(shape, plan, has_batch_norm(meta_model()))

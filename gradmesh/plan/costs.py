@@ -60,6 +60,10 @@ class Options:
     fsdp_root_share: float = 0.0
     """Share of the parameters in the root unit (FSDP2 keeps the root's gathered from forward to
     backward)."""
+    norm_layers: int = 0
+    """Batch normalisation layers (synchronised over the data axis: two all-reduces each a pass)."""
+    norm_channels: int = 0
+    """Their channels, all together."""
 
 
 @dataclass
@@ -116,9 +120,19 @@ def _buckets(params: float) -> int:
     return max(1, math.ceil(params * FP32 / DDP_BUCKET_BYTES))
 
 
+def sync_norms(step: Step, ranks: int) -> None:
+    """Synchronised batch normalisation (`gradmesh.parallel.batchnorm`): each layer all-reduces its
+    count and per-channel sums forward, two per-channel sums backward, in float64, every micro-batch."""
+    layers, channels = step.options.norm_layers, step.options.norm_channels
+    if layers and ranks > 1:
+        nbytes = 8 * (4 * channels + layers)
+        step.add("comm", step.micro * step.network.time("all_reduce", nbytes, ranks, calls=2 * layers))
+
+
 def ddp(step: Step, ranks: int) -> None:
     """One bucketed all-reduce per step (no_sync for the other micro-batches), every parameter stepped."""
     step.add("comm", step.reduce_gradients("all_reduce", ranks, _buckets(step.params)))
+    sync_norms(step, ranks)
     step.optimizer(step.params)
 
 
@@ -127,6 +141,7 @@ def zero1(step: Step, ranks: int) -> None:
     (torch's ZeroRedundancyOptimizer with its parameters in one bucket per rank)."""
     step.add("comm", step.reduce_gradients("all_reduce", ranks, _buckets(step.params)))
     step.add("comm", step.network.time("broadcast", FP32 * step.params, ranks, calls=ranks))
+    sync_norms(step, ranks)
     step.optimizer(step.params / ranks)
 
 
@@ -139,6 +154,7 @@ def fsdp(step: Step, ranks: int) -> None:
     blocks = FP32 * step.params * (1 - step.options.fsdp_root_share)
     backward = step.network.time("all_gather", blocks, ranks, calls=units - 1) if units > 1 else 0.0
     step.add("comm", step.micro * (forward + backward) + step.reduce_gradients("reduce_scatter", ranks, units))
+    sync_norms(step, ranks)
     step.optimizer(step.params / ranks)
 
 

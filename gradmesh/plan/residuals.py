@@ -114,6 +114,8 @@ def _sync_point(cfg: configuration.Config, local: Machine, calibration: Calibrat
 
 
 def options_for(cfg: configuration.Config, machine: Machine) -> costs.Options:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
     from gradmesh import workloads
     from gradmesh.parallel.ps import sparse_tables
     from gradmesh.parallel.sharded import fsdp_units
@@ -122,6 +124,7 @@ def options_for(cfg: configuration.Config, machine: Machine) -> costs.Options:
     model = workloads.meta_model(cfg)
     tables = [table for _, table in sparse_tables(model)]
     units, root = fsdp_units(model)
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
     return costs.Options(
         microbatches=cfg.train.microbatches,
         schedule=cfg.train.pp_schedule,
@@ -134,6 +137,8 @@ def options_for(cfg: configuration.Config, machine: Machine) -> costs.Options:
         cuda=machine.cuda,
         fsdp_units=units,
         fsdp_root_share=root / max(sum(p.numel() for p in model.parameters()), 1),
+        norm_layers=len(norms),
+        norm_channels=sum(m.num_features for m in norms),
     )
 
 
