@@ -83,9 +83,10 @@ def test_the_script_reads_its_place_inside_srun_and_resumes_only_with_a_checkpoi
                       "--requeue", "--signal=B:USR1@120"):
         assert f"#SBATCH {directive}\n" in script
     srun = script[script.index("srun "):]
-    assert '"$SLURM_PROCID"' in srun and "'exec gradmesh train --nproc 8 --strategy fsdp --run-dir /shared/run" in srun
+    assert '"$SLURM_PROCID"' in srun
+    assert "'exec gradmesh train --nproc 8 --strategy fsdp --run-dir /shared/run --resume-if-any" in srun
     assert "SLURM_PROCID" not in script[:script.index("srun ")]  # it exists only inside srun
-    assert "compgen -G /shared/run/checkpoints/step-" in script and 'RESUME="--resume"' in script
+    assert "--resume " not in script  # the start decides, not the submission (--resume-if-any)
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
 
 

@@ -5,9 +5,9 @@ The pitfalls it is written around: SLURM_PROCID and SLURM_NODEID exist only insi
 (so the node rank is read in the task, not in the batch script); the rendezvous endpoint is the
 first host of `scontrol show hostnames $SLURM_JOB_NODELIST` (static rendezvous: node 0 hosts the
 store); a requeued job (`--requeue`, or the signal a little before the time limit, on which the
-script requeues itself) must continue, not start again, so the script adds `--resume` when the
-shared run directory already holds a checkpoint (a resume path decided at submission would be
-stale on a requeue).
+script requeues itself) must continue, not start again, so every task runs `gradmesh train
+--resume-if-any`: the run directory's latest complete checkpoint is looked for when the job
+starts (a resume path decided at submission would be stale on a requeue).
 """
 
 import shlex
@@ -47,20 +47,15 @@ def _directives(spec: SbatchSpec) -> list[str]:
 
 
 def sbatch_script(spec: SbatchSpec) -> str:
-    run_dir = shlex.quote(spec.run_dir)
-    train = shlex.join(["gradmesh", "train", *spec.train, "--run-dir", spec.run_dir])
+    train = shlex.join(["gradmesh", "train", *spec.train, "--run-dir", spec.run_dir, "--resume-if-any"])
     body = f"""
 set -euo pipefail
 HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-RESUME=""
-if compgen -G {run_dir}/checkpoints/step-'*' > /dev/null; then
-    RESUME="--resume"  # a requeued job: go on from the latest checkpoint
-fi
 # Shortly before the time limit Slurm sends USR1 (--signal): requeue, to resume from a checkpoint.
 trap 'scontrol requeue "$SLURM_JOB_ID"' USR1
 srun --kill-on-bad-exit=1 --output=slurm-%x-%j-task%t.out bash -c \\
     'exec {train} --nnodes "$SLURM_NTASKS" --node-rank "$SLURM_PROCID" \\
-     --rdzv-endpoint "$0:{spec.port}" --rdzv-id "slurm-$SLURM_JOB_ID" $1' "$HOST" "$RESUME" &
+     --rdzv-endpoint "$0:{spec.port}" --rdzv-id "slurm-$SLURM_JOB_ID"' "$HOST" &
 wait
 """
     return "\n".join(["#!/bin/bash", *_directives(spec), body.lstrip("\n")])
