@@ -66,7 +66,7 @@ def _add_how_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     how.add_argument(
         "--strategy",
         choices=(*registry.STRATEGIES, AUTO),
-        help="parallelism (default ddp); auto: the plan `gradmesh plan` ranks first",
+        help="parallelism (default ddp; rl-cartpole: impala, its only one); auto: the plan `gradmesh plan` ranks first",
     )
     how.add_argument(
         "--mesh", metavar="AXIS=N,...", help="compose strategies on a named mesh: dp=2,tp=2, fsdp=2,tp=2 or dp=2,pp=2"
@@ -87,6 +87,13 @@ def _add_how_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="--strategy ps, async and ssp:K >= 1: shares per worker "
         "per step, each its own update (default 2; at most 64 and the samples per worker; more: smaller "
         "updates, less staleness)",
+    )
+    how.add_argument(
+        "--learners",
+        type=integer,
+        metavar="L",
+        help="--model rl-cartpole: ranks that train (the first L; the others act and send trajectories; "
+        "default 1, at most --nproc - 1)",
     )
     how.add_argument("--pp-schedule", choices=configuration.PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     how.add_argument("--microbatches", type=integer, metavar="M", help="micro-batches per pipeline step (default 4)")
