@@ -69,7 +69,8 @@ class Kind(IntEnum):
     `samples` environment steps (payload follows; `gradmesh.engine.actor_learner`). An actor's
     PULL carries the trajectories it has sent so far in `clock`, answered by PARAMS or STOP."""
     STOP = 15
-    """learner -> actor, instead of PARAMS: the run is over; send nothing more."""
+    """learner -> actor, instead of PARAMS: the run is over. actor -> learner, its last message: I
+    stopped, having sent `clock` trajectories in all."""
 
 
 ANSWERS = 1

@@ -26,7 +26,7 @@ MODEL_DEFAULTS: dict[str, dict[str, dict]] = {
     # rl.target_return), and a lost actor dropped in place while the learners go on.
     "rl-cartpole": {
         "model": {"hidden": 64},
-        "train": {"strategy": "impala", "lr": 1e-3, "max_steps": 20_000},
+        "train": {"strategy": "impala", "lr": 1e-2, "max_steps": 20_000},
         "checkpoint": {"every": 250},
         "fault": {"recovery": "inplace"},
     },

@@ -16,9 +16,9 @@ class RLConfig:
 
     learners: int = 1
     """Ranks that train (the first ones; the others act). With --nproc 1 the one rank does both."""
-    envs: int = 16
+    envs: int = 32
     """CartPole-v1 environments each actor steps together (numpy-vectorised)."""
-    unroll: int = 32
+    unroll: int = 16
     """Steps of every environment in one trajectory (T): a trajectory holds unroll x envs steps."""
     batch: int = 2
     """Trajectories per learner in one update."""

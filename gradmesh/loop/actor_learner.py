@@ -45,6 +45,8 @@ class Clock:
     reached_s: float | None = None
     reached_env_steps: int | None = None
     lost: list[int] = field(default_factory=list)
+    earlier_env_steps: int = 0
+    """Environment steps before the checkpoint this start resumed from (its actors count from 0)."""
 
 
 def _make_optimizer(cfg: Config):
@@ -106,7 +108,7 @@ class ActorLearnerRun:
             "loss": round_.loss,
             "time": time.time(),
             "samples_per_s": (clock.trained - clock.last_trained) / elapsed,
-            "env_steps": sum(round_.env_steps),
+            "env_steps": clock.earlier_env_steps + sum(round_.env_steps),
             "env_steps_per_s": sum(per_actor),
             "actor_env_steps_per_s": per_actor,
             "episode_return": round_.return_mean,
@@ -128,7 +130,12 @@ class ActorLearnerRun:
             "step": round_.version,
             "strategy": self.cfg.train.strategy,
             "run": self.run_info,
-            "rl": {"returns": list(episodes.returns), "episodes": episodes.count, "env_steps": sum(round_.env_steps)},
+            "sampler": {},  # no dataset to position: the actors' environments start afresh
+            "rl": {
+                "returns": list(episodes.returns),
+                "episodes": episodes.count,
+                "env_steps": self.clock.earlier_env_steps + sum(round_.env_steps),
+            },
         }
         self.checkpointer.save(round_.version, self.engine, state)
 
@@ -144,6 +151,7 @@ class ActorLearnerRun:
         assert learner is not None
         learner.version = state["step"]
         self.engine.episodes = Episodes(state["rl"]["returns"], state["rl"]["episodes"])
+        self.clock.earlier_env_steps = state["rl"]["env_steps"]
         if self.rank == 0:
             rundir.truncate_steps(self.run_dir / "metrics.jsonl", state["step"])
             self.progress.note(f"resumed from {path} (update {state['step']})")
@@ -153,7 +161,14 @@ class ActorLearnerRun:
     def run(self) -> dict:
         self.restore()
         self.clock.start = time.perf_counter()
-        last = self.engine.run()
+        try:
+            last = self.engine.run()
+        except RuntimeError as error:
+            if self.engine.is_learner:
+                raise
+            # an actor whose learner is gone: the launcher restarts every rank (or ends the run)
+            print(f"gradmesh: actor rank {self.rank} lost its learner ({str(error)[:80]}...)", file=sys.stderr)
+            raise SystemExit(1) from None
         self.progress.close()
         summary = self._summary(last) if self.rank == 0 and last is not None else {}
         if summary and last is not None:
@@ -174,7 +189,7 @@ class ActorLearnerRun:
             "learners": self.cfg.rl.learners if ranks.world > 1 else 1,
             "actors": len(actors),
             "actor_ranks": actors,
-            "env_steps": sum(last.env_steps),
+            "env_steps": self.clock.earlier_env_steps + sum(last.env_steps),
             "env_steps_per_s": sum(last.env_steps) / wall,
             "actor_env_steps_per_s": [steps / wall for steps in last.env_steps],
             "episode_return": last.return_mean,

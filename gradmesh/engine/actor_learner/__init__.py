@@ -72,6 +72,9 @@ class ActorLearnerEngine:
             optimizer = setup.make_optimizer(self.net)
             self.learner = Learner(self.net, optimizer, weights, self.learners_group, GRAD_CLIP)
 
+    def flat_size(self) -> int:
+        return sum(param.numel() for param in self.net.parameters())
+
     @property
     def is_learner(self) -> bool:
         return self.learner is not None
@@ -86,7 +89,7 @@ class ActorLearnerEngine:
         figures), None on an actor."""
         rank = self.topology.rank
         if self.learner is None:
-            self._actor(rank, self.net, ActorEnd(self.wire, self.ranks.learner_of(rank))).run()
+            self._actor(rank, self.net, ActorEnd(self.wire, self.ranks.learner_of(rank), self.flat_size())).run()
             return None
         rl = self.setup.rl
         plan = Plan(batch=rl.batch, target_return=rl.target_return, max_updates=self.setup.max_updates)

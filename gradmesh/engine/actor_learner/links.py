@@ -6,7 +6,8 @@ actors by name, in a thread per actor, rather than from any source: gloo's recei
 source cannot be cancelled, and a receive named for a peer that died fails on its own (the
 connection closes), which tells the learner that this actor is lost while the others go on.
 Between two ranks messages arrive in the order sent, so an actor's trajectories arrive in the
-order it numbered them and a PULL arrives after every trajectory sent before it.
+order it numbered them, a PULL after every trajectory sent before it, and its last message,
+STOP with the number it sent in all, after all of them.
 
 With one process (`--nproc 1`) the rank is its own actor: `LocalLink` passes the same messages
 without a wire, so the single-process run is the same algorithm on the same code path.
@@ -16,6 +17,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -37,12 +39,14 @@ class LearnerEnd:
     def _listen(self, rank: int) -> None:
         try:
             while True:
-                message = self.wire.receive_from(rank).expect(rank, Kind.TRAJECTORY, Kind.PULL)
+                message = self.wire.receive_from(rank).expect(rank, Kind.TRAJECTORY, Kind.PULL, Kind.STOP)
                 payload = None
                 if message.kind == Kind.TRAJECTORY:
                     payload = torch.empty(self.payload_size)
                     self.wire.payload_from(rank, payload).wait()
                 self.inbox.put((rank, message, payload))
+                if message.kind == Kind.STOP:  # the actor's last message
+                    return
         except WireError as error:  # a message no actor sends: ends the learner with it
             self.inbox.put((rank, error, None))
         except RuntimeError:  # the connection closed: the actor is gone
@@ -71,31 +75,51 @@ class LearnerEnd:
 
 
 class ActorEnd:
-    """An actor's end of the wire to its learner."""
+    """An actor's end of the wire to its learner. A pull is asked for at one trajectory's start
+    and read at the next one's (`start`, `finish`): the actor acts meanwhile instead of waiting
+    for a learner busy with an update; its receives are posted with the request, so the
+    learner's answer is sent at once (a gloo send completes once its receive is posted)."""
 
-    def __init__(self, wire: Wire, learner: int):
+    def __init__(self, wire: Wire, learner: int, size: int):
         self.wire, self.learner = wire, learner
+        self.staging = torch.empty(size)
+        self.posted: tuple[torch.Tensor, Any, Any] | None = None
 
     def send(self, sequence: int, version: int, steps: int, payload: torch.Tensor) -> None:
         self.wire.send(self.learner, Message(Kind.TRAJECTORY, clock=sequence, version=version, samples=steps), payload)
 
-    def pull(self, sent: int, into: torch.Tensor) -> int | None:
-        """The learner's current weights into `into`: their version, or None (STOP: the run is over)."""
-        self.wire.settle()  # every trajectory is out before the learner is asked
+    def start(self, sent: int) -> None:
+        """Ask for the learner's current weights, having sent `sent` trajectories (all of them out first)."""
+        self.wire.settle()
+        head, work = self.wire.expect(self.learner)
+        self.posted = (head, work, self.wire.payload_from(self.learner, self.staging))
         self.wire.send(self.learner, Message(Kind.PULL, clock=sent))
-        answer = self.wire.receive_from(self.learner).expect(self.learner, Kind.PARAMS, Kind.STOP)
+
+    def finish(self, into: torch.Tensor) -> int | None:
+        """The weights asked for by `start`, into `into`: their version, or None (STOP: the run is over)."""
+        assert self.posted is not None
+        head, work, payload = self.posted
+        self.posted = None
+        work.wait()
+        answer = Message.decode(head, self.learner).expect(self.learner, Kind.PARAMS, Kind.STOP)
         if answer.kind == Kind.STOP:
-            self.wire.settle()
-            return None
-        self.wire.payload_from(self.learner, into).wait()
+            return None  # the payload's receive stays posted: nothing follows, and the actor leaves
+        payload.wait()
+        into.copy_(self.staging)
         return answer.version
+
+    def leave(self, sent: int) -> None:
+        """Tell the learner this actor has stopped, having sent `sent` trajectories in all."""
+        self.wire.send(self.learner, Message(Kind.STOP, clock=sent))
+        self.wire.settle()
 
 
 class LocalLink:
     """One process that is both actor and learner: the actor's messages handed over in memory.
 
     The learner side asks `next`, which runs the actor (`produce`, one trajectory) when nothing
-    is waiting; the actor's PULL is answered at once by the learner's `on_pull`."""
+    is waiting; the actor's PULL is answered at once by the learner's `on_pull` (and read by the
+    actor at its next trajectory, as over the wire)."""
 
     RANK = 0
 
@@ -103,6 +127,7 @@ class LocalLink:
         self.on_pull = on_pull
         self.produce: Callable[[], bool] = lambda: False
         self.waiting: deque = deque()
+        self.answered: tuple[int, torch.Tensor | None] = (0, None)
 
     # the learner's side
     def next(self, timeout: float) -> Arrival | None:
@@ -122,9 +147,15 @@ class LocalLink:
             (self.RANK, Message(Kind.TRAJECTORY, clock=sequence, version=version, samples=steps), payload)
         )
 
-    def pull(self, sent: int, into: torch.Tensor) -> int | None:
-        version, params = self.on_pull(self.RANK, Message(Kind.PULL, clock=sent))
+    def start(self, sent: int) -> None:
+        self.answered = self.on_pull(self.RANK, Message(Kind.PULL, clock=sent))
+
+    def finish(self, into: torch.Tensor) -> int | None:
+        version, params = self.answered
         if params is None:
             return None
         into.copy_(params)
         return version
+
+    def leave(self, sent: int) -> None:
+        self.waiting.append((self.RANK, Message(Kind.STOP, clock=sent), None))

@@ -24,22 +24,38 @@ POLL_S = 0.1
 
 
 class ActorRole:
+    """Acts trajectory after trajectory. Every `pull_every` trajectories it asks for the newest
+    weights, and takes them up at the start of the next trajectory (IMPALA's actors do not wait
+    for the learner); a STOP in their place ends it, after it tells its learner how many it sent."""
+
     def __init__(self, actor: Actor, link, layout: Layout, pull_every: int, before: Callable[[int], None]):
         self.actor, self.link, self.layout, self.pull_every, self.before = actor, link, layout, pull_every, before
         self.params = list(actor.net.parameters())
         self.flat = torch.cat([param.detach().reshape(-1) for param in self.params])
-        self.sent, self.version = 0, 0
+        self.sent, self.version, self.asked = 0, -1, False
+
+    def _take_weights(self) -> bool:
+        self.asked = False
+        version = self.link.finish(self.flat)
+        if version is None:
+            self.link.leave(self.sent)
+            return False
+        self.version = version
+        with torch.no_grad():
+            for param, value in zip(self.params, self.flat.split([p.numel() for p in self.params])):
+                param.copy_(value.view_as(param))
+        return True
 
     def step(self) -> bool:
-        """One trajectory (pulling first every `pull_every`); False once the learner said STOP."""
+        """One trajectory; False once the learner said STOP."""
+        if self.version < 0:  # the first weights are waited for
+            self.link.start(self.sent)
+            self.asked = True
+        if self.asked and not self._take_weights():
+            return False
         if self.sent % self.pull_every == 0:
-            version = self.link.pull(self.sent, self.flat)
-            if version is None:
-                return False
-            self.version = version
-            with torch.no_grad():
-                for param, value in zip(self.params, self.flat.split([p.numel() for p in self.params])):
-                    param.copy_(value.view_as(param))
+            self.link.start(self.sent)
+            self.asked = True
         self.before(self.sent)
         trajectory = self.actor.rollout()
         self.link.send(self.sent, self.version, self.layout.steps, self.layout.pack(trajectory))
@@ -84,9 +100,9 @@ class LearnerRole:
         self.on_lost: Callable[[int], None] = lambda rank: None
 
     def on_pull(self, rank: int, message: Message) -> tuple[int, torch.Tensor | None]:
+        """PARAMS, or STOP once the learners decided to stop (the actor stays live until its own STOP)."""
         self.counts.sent[rank] = message.clock
         if self.stopping:
-            self.live.discard(rank)
             return self.learner.version, None
         return self.learner.version, self.learner.weights_now()
 
@@ -100,6 +116,11 @@ class LearnerRole:
             self.counts.received[rank] += 1
             self.counts.steps[rank] += message.samples
             self.queue.append((rank, message.version, payload))
+        elif message.kind == Kind.STOP:  # the actor's last word: it sent `clock` in all, and every one arrived
+            expected = self.counts.received[rank]
+            message.check(rank, "clock", message.clock == expected, f"{expected} (the trajectories received)")
+            self.counts.sent[rank] = message.clock
+            self.live.discard(rank)
         else:
             self.link.answer(rank, *self.on_pull(rank, message))
 
