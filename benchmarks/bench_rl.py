@@ -67,7 +67,9 @@ def main() -> None:
         for label, nproc in ROWS:
             samples[label].append(figures(run(nproc, *extra)))
     results = {label: {"nproc": nproc, **median_of(samples[label])} for label, nproc in ROWS}
-    table = Table(title=f"rl-cartpole to mean return >= 450 ({os.cpu_count()} cores, medians of {args.rounds})")
+    load = [round(x, 1) for x in os.getloadavg()]
+    table = Table(title=f"rl-cartpole to mean return >= 450 ({os.cpu_count()} cores, medians of {args.rounds}; "
+                  f"load average at the end {load[0]}, {load[1]}, {load[2]})")
     for column in ("ranks", "time to 450", "env steps to 450", "env steps/s", "per actor", "learner samples/s",
                    "policy lag"):
         table.add_column(column, justify="right")
@@ -76,9 +78,10 @@ def main() -> None:
         steps = "-" if row["to_target_env_steps"] is None else f"{row['to_target_env_steps']:,.0f}"
         table.add_row(label, shown, steps, f"{row['env_steps_per_s']:,.0f}", f"{row['per_actor_env_steps_per_s']:,.0f}",
                       f"{row['learner_samples_per_s']:,.0f}", f"{row['policy_lag_mean']:.2f}")
-    Console().print(table)
+    Console(width=150).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cores": os.cpu_count(), "rounds": args.rounds, "rows": results}, indent=1))
+    record = {"cores": os.cpu_count(), "rounds": args.rounds, "load_average": load, "rows": results}
+    args.out.write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

@@ -147,8 +147,11 @@ def test_an_actor_killed_mid_run_is_dropped_and_the_learners_go_on(tmp_path):
     rl = summary(tmp_path)["rl"]
     assert rl["lost_actors"] == [2] and _learnt(rl)
     _check_counts(rl, lost={2})
-    # killed before acting its trajectory 20, after the pull that saw trajectories 0..19 out: all arrived
-    assert [rl["trajectories"][k][1] for k in ("sent", "received", "applied")] == [20, 20, 20]
+    # killed before acting its trajectory 20: trajectories 0.. arrived in order (a gap or a repeat ends
+    # the run), each applied once; those after its last pull (its sends are waited for then) may
+    # have been cut off in flight
+    sent, received, applied = (rl["trajectories"][k][1] for k in ("sent", "received", "applied"))
+    assert 0 < sent <= received == applied <= 20
 
 
 @pytest.mark.slow

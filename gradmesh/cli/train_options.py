@@ -88,13 +88,6 @@ def _add_how_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "per step, each its own update (default 2; at most 64 and the samples per worker; more: smaller "
         "updates, less staleness)",
     )
-    how.add_argument(
-        "--learners",
-        type=integer,
-        metavar="L",
-        help="--model rl-cartpole: ranks that train (the first L; the others act and send trajectories; "
-        "default 1, at most --nproc - 1)",
-    )
     how.add_argument("--pp-schedule", choices=configuration.PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     how.add_argument("--microbatches", type=integer, metavar="M", help="micro-batches per pipeline step (default 4)")
     how.add_argument(
@@ -105,6 +98,13 @@ def _add_how_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 
 def _add_optimisation_options(train: argparse.ArgumentParser, how: argparse._ArgumentGroup) -> None:
+    how.add_argument(
+        "--learners",
+        type=integer,
+        metavar="L",
+        help="--model rl-cartpole: ranks that train (the first L; the others act and send trajectories; "
+        "default 1, at most --nproc / 2: each learner has an actor of its own)",
+    )
     how.add_argument(
         "--global-batch-size", type=integer, metavar="B", help="samples per optimizer step over all ranks (default 32)"
     )

@@ -75,15 +75,18 @@ class LearnerEnd:
 
 
 class ActorEnd:
-    """An actor's end of the wire to its learner. A pull is asked for at one trajectory's start
-    and read at the next one's (`start`, `finish`): the actor acts meanwhile instead of waiting
-    for a learner busy with an update; its receives are posted with the request, so the
-    learner's answer is sent at once (a gloo send completes once its receive is posted)."""
+    """An actor's end of the wire to its learner. A pull is asked for (`start`) and taken up at
+    the first trajectory boundary after its answer arrived (`ready`, `finish`): the actor acts
+    meanwhile instead of waiting for a learner busy with an update. gloo cannot say whether a
+    posted receive has completed without waiting for it, so a thread waits for the answer; the
+    receives are posted with the request, so the learner's answer is sent at once (a gloo send
+    completes once its receive is posted)."""
 
     def __init__(self, wire: Wire, learner: int, size: int):
         self.wire, self.learner = wire, learner
         self.staging = torch.empty(size)
-        self.posted: tuple[torch.Tensor, Any, Any] | None = None
+        self.arrived = threading.Event()
+        self.answer: Message | Exception | None = None
 
     def send(self, sequence: int, version: int, steps: int, payload: torch.Tensor) -> None:
         self.wire.send(self.learner, Message(Kind.TRAJECTORY, clock=sequence, version=version, samples=steps), payload)
@@ -92,19 +95,35 @@ class ActorEnd:
         """Ask for the learner's current weights, having sent `sent` trajectories (all of them out first)."""
         self.wire.settle()
         head, work = self.wire.expect(self.learner)
-        self.posted = (head, work, self.wire.payload_from(self.learner, self.staging))
+        payload = self.wire.payload_from(self.learner, self.staging)
+        self.arrived.clear()
+        threading.Thread(target=self._await, args=(head, work, payload), daemon=True).start()
         self.wire.send(self.learner, Message(Kind.PULL, clock=sent))
 
+    def _await(self, head: torch.Tensor, work: Any, payload: Any) -> None:
+        try:
+            work.wait()
+            answer = Message.decode(head, self.learner).expect(self.learner, Kind.PARAMS, Kind.STOP)
+            if answer.kind == Kind.PARAMS:  # after STOP nothing follows: that receive stays posted
+                payload.wait()
+            self.answer = answer
+        except (RuntimeError, WireError) as error:  # the learner is gone, or said what no learner says
+            self.answer = error
+        self.arrived.set()
+
+    def ready(self) -> bool:
+        return self.arrived.is_set()
+
     def finish(self, into: torch.Tensor) -> int | None:
-        """The weights asked for by `start`, into `into`: their version, or None (STOP: the run is over)."""
-        assert self.posted is not None
-        head, work, payload = self.posted
-        self.posted = None
-        work.wait()
-        answer = Message.decode(head, self.learner).expect(self.learner, Kind.PARAMS, Kind.STOP)
+        """The weights asked for by `start` (waiting for them), into `into`: their version, or
+        None (STOP: the run is over)."""
+        self.arrived.wait()
+        answer = self.answer
+        if isinstance(answer, Exception):
+            raise answer
+        assert answer is not None
         if answer.kind == Kind.STOP:
-            return None  # the payload's receive stays posted: nothing follows, and the actor leaves
-        payload.wait()
+            return None
         into.copy_(self.staging)
         return answer.version
 
@@ -149,6 +168,9 @@ class LocalLink:
 
     def start(self, sent: int) -> None:
         self.answered = self.on_pull(self.RANK, Message(Kind.PULL, clock=sent))
+
+    def ready(self) -> bool:
+        return True
 
     def finish(self, into: torch.Tensor) -> int | None:
         version, params = self.answered

@@ -25,14 +25,15 @@ POLL_S = 0.1
 
 class ActorRole:
     """Acts trajectory after trajectory. Every `pull_every` trajectories it asks for the newest
-    weights, and takes them up at the start of the next trajectory (IMPALA's actors do not wait
-    for the learner); a STOP in their place ends it, after it tells its learner how many it sent."""
+    weights and takes them up at the first trajectory start after they arrived (IMPALA's actors
+    do not wait for the learner); a STOP in their place ends it, after it tells its learner how
+    many it sent."""
 
     def __init__(self, actor: Actor, link, layout: Layout, pull_every: int, before: Callable[[int], None]):
         self.actor, self.link, self.layout, self.pull_every, self.before = actor, link, layout, pull_every, before
         self.params = list(actor.net.parameters())
         self.flat = torch.cat([param.detach().reshape(-1) for param in self.params])
-        self.sent, self.version, self.asked = 0, -1, False
+        self.sent, self.version, self.asked, self.asked_at = 0, -1, False, 0
 
     def _take_weights(self) -> bool:
         self.asked = False
@@ -51,11 +52,11 @@ class ActorRole:
         if self.version < 0:  # the first weights are waited for
             self.link.start(self.sent)
             self.asked = True
-        if self.asked and not self._take_weights():
+        if self.asked and (self.version < 0 or self.link.ready()) and not self._take_weights():
             return False
-        if self.sent % self.pull_every == 0:
+        if not self.asked and self.sent - self.asked_at >= self.pull_every:
             self.link.start(self.sent)
-            self.asked = True
+            self.asked, self.asked_at = True, self.sent
         self.before(self.sent)
         trajectory = self.actor.rollout()
         self.link.send(self.sent, self.version, self.layout.steps, self.layout.pack(trajectory))
