@@ -21,6 +21,12 @@ from gradmesh.engine.actor_learner.learner import RETURN_WINDOW, Episodes, Learn
 from gradmesh.engine.actor_learner.rollout import Actor, Layout
 
 POLL_S = 0.1
+AHEAD = 2
+"""An actor acts at most this many trajectories after asking for weights before it waits for them:
+with the learner holding back its answers while its queue is full (`QUEUED`), this bounds how
+far actors run ahead of a learner slower than they are, and so the policy lag."""
+QUEUED = 2
+"""A learner holds back its answers to pulls while it has this many batches waiting."""
 
 
 class ActorRole:
@@ -52,7 +58,8 @@ class ActorRole:
         if self.version < 0:  # the first weights are waited for
             self.link.start(self.sent)
             self.asked = True
-        if self.asked and (self.version < 0 or self.link.ready()) and not self._take_weights():
+        due = self.version < 0 or self.link.ready() or self.sent - self.asked_at >= AHEAD
+        if self.asked and due and not self._take_weights():
             return False
         if not self.asked and self.sent - self.asked_at >= self.pull_every:
             self.link.start(self.sent)
@@ -97,6 +104,8 @@ class LearnerRole:
             dict.fromkeys(actors, 0), dict.fromkeys(actors, 0), dict.fromkeys(actors, 0), dict.fromkeys(actors, 0)
         )
         self.queue: list[tuple[int, int, torch.Tensor]] = []
+        self.held: list[tuple[int, Message]] = []
+        """Pulls not answered yet: the queue was full (`QUEUED`)."""
         self.stopping = False
         self.on_lost: Callable[[int], None] = lambda rank: None
 
@@ -122,8 +131,10 @@ class LearnerRole:
             message.check(rank, "clock", message.clock == expected, f"{expected} (the trajectories received)")
             self.counts.sent[rank] = message.clock
             self.live.discard(rank)
-        else:
+        elif self.stopping or len(self.queue) < QUEUED * self.plan.batch:
             self.link.answer(rank, *self.on_pull(rank, message))
+        else:
+            self.held.append((rank, message))
 
     def lose(self, rank: int) -> None:
         if rank in self.live:  # a finished actor's closing connection is no loss
@@ -134,6 +145,10 @@ class LearnerRole:
 
     def gather(self) -> list[tuple[int, int, torch.Tensor]]:
         """Up to `batch` trajectories: a full batch, or what is left once no actor is live."""
+        held, self.held = self.held, []
+        for rank, message in held:
+            if rank in self.live:
+                self.link.answer(rank, *self.on_pull(rank, message))
         while len(self.queue) < self.plan.batch and self.live:
             arrival = self.link.next(POLL_S)
             if arrival is not None:
