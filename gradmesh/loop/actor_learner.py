@@ -47,6 +47,8 @@ class Clock:
     lost: list[int] = field(default_factory=list)
     earlier_env_steps: int = 0
     """Environment steps before the checkpoint this start resumed from (its actors count from 0)."""
+    loss: float = float("nan")
+    """The loss of the last round that trained (the closing rounds, draining the queues, may train on nothing)."""
 
 
 def _make_optimizer(cfg: Config):
@@ -90,6 +92,8 @@ class ActorLearnerRun:
     def after_round(self, round_: Round) -> None:
         clock = self.clock
         clock.trained += round_.steps
+        if round_.steps:
+            clock.loss = round_.loss
         if round_.reached and clock.reached_s is None:
             clock.reached_s, clock.reached_env_steps = time.perf_counter() - clock.start, sum(round_.env_steps)
         every = self.cfg.checkpoint.every
@@ -105,7 +109,7 @@ class ActorLearnerRun:
         per_actor = [(after - was) / elapsed for after, was in zip(round_.env_steps, before)]
         row = {
             "step": round_.version,
-            "loss": round_.loss,
+            "loss": clock.loss,
             "time": time.time(),
             "samples_per_s": (clock.trained - clock.last_trained) / elapsed,
             "env_steps": clock.earlier_env_steps + sum(round_.env_steps),
@@ -208,7 +212,7 @@ class ActorLearnerRun:
             "samples": self.clock.trained,
             "wall_s": wall,
             "samples_per_s": self.clock.trained / wall,
-            "final_loss": last.loss,
+            "final_loss": self.clock.loss,
             "staleness": rl["policy_lag"],
             "rl": rl,
             "run_dir": str(self.run_dir),
