@@ -86,6 +86,10 @@ def _write_results(trainer: Trainer, workload, run_dir: Path, summary: dict) -> 
 
 
 def train(cfg: configuration.Config) -> dict:
+    if registry.get(cfg.train.strategy).experience:  # no dataset, no Trainer: actors and learners
+        from gradmesh.loop.actor_learner import train_actor_learner
+
+        return train_actor_learner(cfg, run_info(cfg))
     world_size = env.placement().world_size
     workload = None
     if inplace.joining():  # a replacement builds its model first: the members pause only for the hand-over

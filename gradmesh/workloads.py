@@ -4,7 +4,8 @@ gpt-char: a small GPT on characters of the Python standard library's source (or 
 hf:gpt2 and hf:llama: Hugging Face transformers models on the same text (`gradmesh.hf`);
 mlp-digits: an MLP on scikit-learn's 8x8 digits; recsys: a DLRM-style click model on a synthetic
 click log with a known ceiling; resnet: torchvision's ResNet-18 on generated images of coloured
-shapes, whose ceiling is 100%. All go through the public Trainer API.
+shapes, whose ceiling is 100%. All go through the public Trainer API, but rl-cartpole, which
+learns from its own actors' experience (`gradmesh.loop.actor_learner`; here only its model).
 """
 
 from collections.abc import Callable, Sized
@@ -15,12 +16,13 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from gradmesh.config import Config
-from gradmesh.config.workload import HF_MODELS, TEXT_MODELS
+from gradmesh.config.workload import HF_MODELS, RL_MODELS, TEXT_MODELS
 from gradmesh.data import clicks, fetch, shapes
 from gradmesh.data.corpus import CharVocab, char_datasets, load_text
 from gradmesh.data.digits import digits_datasets
 from gradmesh.errors import UsageError
 from gradmesh.models import dlrm, gpt, mlp, resnet
+from gradmesh.models.actor_critic import ActorCritic
 from gradmesh.parallel.batchnorm import convert_sync_batchnorm
 
 
@@ -263,6 +265,8 @@ def meta_model(cfg: Config) -> nn.Module:
             return dlrm.DLRM(click_spec(cfg).rows, cfg.model.dim, clicks.DENSE, cfg.model.hidden, materialize=False)
         if cfg.model.name == "resnet":
             return resnet.resnet18(len(shapes.SHAPES), cfg.model.width)
+        if cfg.model.name in RL_MODELS:
+            return ActorCritic(hidden=cfg.model.hidden)
         return mlp.MLP(hidden=cfg.model.hidden)
 
 

@@ -19,6 +19,7 @@ FLAG_KEYS = {
     "ps_servers": "ps.servers",
     "ps_mode": "ps.mode",
     "ps_shares": "ps.shares",
+    "learners": "rl.learners",
     "pp_schedule": "train.pp_schedule",
     "microbatches": "train.microbatches",
     "pp_split": "train.pp_split",

@@ -126,6 +126,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hypothetical = _cluster(args)
     hosts = None if hypothetical is not None else _hosts(args)
     cfg = resolve_config(args)
+    if cfg.model.name in configuration.RL_MODELS:  # no global batch, no step to predict
+        raise UsageError(
+            f"gradmesh plan ranks the strategies of dataset workloads; --model {cfg.model.name} learns from its "
+            "actors' experience under --strategy impala only (docs/reinforcement-learning.md)"
+        )
     out = _check_out(args.out)
     samples = _volume(args, cfg)
     from gradmesh.cli.plan_table import print_plan, to_json

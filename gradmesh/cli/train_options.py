@@ -66,7 +66,7 @@ def _add_how_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     how.add_argument(
         "--strategy",
         choices=(*registry.STRATEGIES, AUTO),
-        help="parallelism (default ddp); auto: the plan `gradmesh plan` ranks first",
+        help="parallelism (default ddp; rl-cartpole: impala, its only one); auto: the plan `gradmesh plan` ranks first",
     )
     how.add_argument(
         "--mesh", metavar="AXIS=N,...", help="compose strategies on a named mesh: dp=2,tp=2, fsdp=2,tp=2 or dp=2,pp=2"
@@ -98,6 +98,13 @@ def _add_how_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 
 def _add_optimisation_options(train: argparse.ArgumentParser, how: argparse._ArgumentGroup) -> None:
+    how.add_argument(
+        "--learners",
+        type=integer,
+        metavar="L",
+        help="--model rl-cartpole: ranks that train (the first L; the others act and send trajectories; "
+        "default 1, at most --nproc / 2: each learner has an actor of its own)",
+    )
     how.add_argument(
         "--global-batch-size", type=integer, metavar="B", help="samples per optimizer step over all ranks (default 32)"
     )

@@ -1,4 +1,5 @@
-"""The parameter-server wire: a fixed integer header, then a flat tensor, point to point.
+"""The parameter-server wire: a fixed integer header, then a flat tensor, point to point (the
+actor-learner engine's trajectories and weights travel on it too).
 
 Written here because torch offers no parameter-server transport but its RPC framework, which
 is in maintenance mode (and pickles). A message is a header of HEADER int64 values (two of
@@ -63,6 +64,13 @@ class Kind(IntEnum):
     """worker -> server: gradients of `samples` rows (payloads: their ids, then the rows)."""
     FINISHED = 13
     """worker -> server: my evaluation is done (the server stops answering its row requests)."""
+    TRAJECTORY = 14
+    """actor -> learner: trajectory number `clock` of this actor, acted by policy `version`, of
+    `samples` environment steps (payload follows; `gradmesh.engine.actor_learner`). An actor's
+    PULL carries the trajectories it has sent so far in `clock`, answered by PARAMS or STOP."""
+    STOP = 15
+    """learner -> actor, instead of PARAMS: the run is over. actor -> learner, its last message: I
+    stopped, having sent `clock` trajectories in all."""
 
 
 ANSWERS = 1

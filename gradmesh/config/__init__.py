@@ -10,6 +10,7 @@ from gradmesh.config.compression import COMPRESSIONS
 from gradmesh.config.fault import NONFINITE
 from gradmesh.config.layers import SECTIONS, all_keys, build, load_toml, parse_sets, section_fields
 from gradmesh.config.ps import PS_MODES, PSConfig
+from gradmesh.config.rl import RLConfig
 from gradmesh.config.sections import (
     DEVICES,
     OPTIMIZERS,
@@ -25,7 +26,7 @@ from gradmesh.config.sections import (
     RunConfig,
     TrainConfig,
 )
-from gradmesh.config.workload import HF_MODELS, MODELS, TEXT_MODELS
+from gradmesh.config.workload import HF_MODELS, MODELS, RL_MODELS, TEXT_MODELS
 
 __all__ = [
     "COMPRESSIONS",
@@ -37,6 +38,7 @@ __all__ = [
     "PP_SCHEDULES",
     "PS_MODES",
     "RECOVERY",
+    "RL_MODELS",
     "SECTIONS",
     "TEXT_MODELS",
     "CheckpointConfig",
@@ -47,6 +49,7 @@ __all__ = [
     "ModelConfig",
     "MonitorConfig",
     "PSConfig",
+    "RLConfig",
     "RunConfig",
     "TrainConfig",
     "all_keys",

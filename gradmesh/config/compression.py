@@ -63,7 +63,7 @@ class Compressor:
 
 
 ROWS = (
-    Compressor("none", "none (fp32, default)", families=EVERY_FAMILY),
+    Compressor("none", "none (fp32, default)", families=(*EVERY_FAMILY, "actor-learner")),
     Compressor(
         "fp16",
         "fp16 (half the bytes)",

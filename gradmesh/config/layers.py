@@ -21,6 +21,15 @@ MODEL_DEFAULTS: dict[str, dict[str, dict]] = {
     # 21,600 training images, the cosine decay over exactly those) pass 95% held-out accuracy in
     # a few minutes on 2 CPU cores (docs/getting-started.md#resnet-shapes).
     "resnet": {"model": {"samples": 24_000}, "train": {"global_batch_size": 64, "max_steps": 400, "decay_steps": 400}},
+    # CartPole-v1 by actors and learners (docs/reinforcement-learning.md): the actor-learner strategy,
+    # a small MLP, a constant learning rate (max_steps caps the learner updates; the run ends at
+    # rl.target_return), and a lost actor dropped in place while the learners go on.
+    "rl-cartpole": {
+        "model": {"hidden": 64},
+        "train": {"strategy": "impala", "lr": 1e-2, "max_steps": 20_000},
+        "checkpoint": {"every": 250},
+        "fault": {"recovery": "inplace"},
+    },
 }
 """Defaults that differ by built-in model, under whatever a layer sets."""
 

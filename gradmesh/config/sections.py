@@ -15,6 +15,7 @@ from gradmesh.config.checks import positive as _positive
 from gradmesh.config.compression import parse_compression
 from gradmesh.config.fault import RECOVERY, FaultConfig  # noqa: F401 (re-exported)
 from gradmesh.config.ps import PSConfig
+from gradmesh.config.rl import RLConfig
 from gradmesh.config.workload import DataConfig, ModelConfig
 from gradmesh.errors import UsageError
 from gradmesh.paths import check_name
@@ -244,6 +245,7 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def check_world(self, dp_size: int) -> None:

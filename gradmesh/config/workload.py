@@ -14,7 +14,10 @@ HF_MODELS = ("hf:gpt2", "hf:llama")
 by the model.* settings and trained on gpt-char's text: the `hf` extra brings transformers."""
 TEXT_MODELS = ("gpt-char", *HF_MODELS)
 """The models that read characters of text (data.path, the char vocabulary, block_size)."""
-MODELS = ("gpt-char", "mlp-digits", "recsys", "resnet", *HF_MODELS)
+RL_MODELS = ("rl-cartpole",)
+"""Reinforcement-learning workloads: they train on experience their own actors make (Gymnasium's
+CartPole-v1), under the actor-learner strategy only (`Strategy.experience`)."""
+MODELS = ("gpt-char", "mlp-digits", "recsys", "resnet", *HF_MODELS, *RL_MODELS)
 MODULES, WIDTH = 1024, 2**20
 LIMITS = {
     "n_layer": MODULES,
@@ -45,7 +48,8 @@ class ModelConfig:
     """Built-in model: gpt-char (character-level transformer), mlp-digits, recsys (DLRM-style
     click model on a synthetic click log), resnet (torchvision's ResNet-18 on generated images of
     coloured shapes), or hf:gpt2 / hf:llama (Hugging Face transformers' GPT2LMHeadModel /
-    LlamaForCausalLM, built from their config class, on gpt-char's text)."""
+    LlamaForCausalLM, built from their config class, on gpt-char's text), or rl-cartpole (an
+    actor-critic MLP learning CartPole-v1 from its actors' experience: the [rl] section)."""
     n_layer: int = 4
     """Transformer blocks (gpt-char, hf:*)."""
     n_head: int = 4
@@ -59,7 +63,7 @@ class ModelConfig:
     bias: bool = True
     """Bias terms in Linear and LayerNorm layers (gpt-char)."""
     hidden: int = 128
-    """Hidden width of the two hidden layers (mlp-digits; recsys: of the bottom and top MLPs)."""
+    """Hidden width of the two hidden layers (mlp-digits, rl-cartpole; recsys: of the bottom and top MLPs)."""
     tables: int = 8
     """Embedding tables, one per categorical feature (recsys)."""
     rows: int = 100_000

@@ -4,9 +4,11 @@ collective: every rank runs the same step at the same moment (ddp, zero1, fsdp, 
 pipeline: stages on different ranks, micro-batches in flight, still in lockstep.
 ps: parameter servers and workers, whose ranks play roles and do not run in lockstep; the
 loop runs it a segment of steps at a time (`SegmentEngine.run_segment`).
+actor-learner: reinforcement learning's actors and learners, which train on experience rather than
+a dataset: not a step engine of the Trainer, run whole by `gradmesh.loop.actor_learner`.
 
-Every engine class named here is a `StepEngine`, and a `LockstepEngine` or (ps) a
-`SegmentEngine`: what the loop and the services call on it is that protocol, not the class.
+Every engine class named here but actor-learner's is a `StepEngine`, and a `LockstepEngine` or
+(ps) a `SegmentEngine`: what the loop and the services call on it is that protocol, not the class.
 """
 
 from typing import TYPE_CHECKING
@@ -28,6 +30,7 @@ ENGINES = {
     "collective": "gradmesh.engine.collective:CollectiveEngine",
     "pipeline": "gradmesh.engine.pipeline:PipelineEngine",
     "ps": "gradmesh.engine.ps:ParameterServerEngine",
+    "actor-learner": "gradmesh.engine.actor_learner:ActorLearnerEngine",
 }
 
 if TYPE_CHECKING:  # each family meets its protocol (mypy says where one does not)

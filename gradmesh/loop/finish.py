@@ -69,6 +69,10 @@ def _write(run_dir: Path, weights: dict[str, torch.Tensor], summary: dict, step:
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=1))
 
 
+write_results = _write
+"""Rank 0's model.safetensors and summary.json (also the actor-learner loop's)."""
+
+
 def finish_run(
     parts: RunParts, services: Services, start_step: int, samples_at_start: int, wall: float
 ) -> tuple[dict, dict[str, torch.Tensor] | None]:

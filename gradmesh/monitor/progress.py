@@ -9,7 +9,24 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
-class TrainingProgress:
+class LiveBar:
+    """A rich progress bar on a terminal (`_bar`, None elsewhere) with notes printed above it."""
+
+    enabled: bool
+    console: Console
+    _bar: Progress | None
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            (self._bar.console if self._bar else self.console).print(text, highlight=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+class TrainingProgress(LiveBar):
     """Progress of optimizer steps with loss and samples/s; silent when `enabled` is False."""
 
     def __init__(self, total: int, start: int = 0, enabled: bool = True, console: Console | None = None):
@@ -49,15 +66,6 @@ class TrainingProgress:
             print(
                 f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s  eta {eta:.0f}s", flush=True
             )
-
-    def note(self, text: str) -> None:
-        if self.enabled:
-            (self._bar.console if self._bar else self.console).print(text, highlight=False)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
 
 
 def _fmt_bytes(n: float) -> str:
@@ -131,7 +139,11 @@ def summary_table(summary: dict) -> Table:
         rows.append(("imbalance (mean)", f"{summary['imbalance_mean']:.1%}"))
         rows.append(("alerts", f"{summary['alerts']} (alerts.jsonl)" if summary["alerts"] else "none"))
     rows += _prediction_rows(summary)
-    if summary.get("staleness"):
+    if summary.get("rl"):
+        from gradmesh.monitor.experience import summary_rows
+
+        rows += summary_rows(summary["rl"])
+    elif summary.get("staleness"):
         stale = summary["staleness"]
         rows.append(("staleness (max, mean)", f"{stale['max']} versions, {stale['mean']:.2f}"))
     rows.append(("run dir", summary["run_dir"]))

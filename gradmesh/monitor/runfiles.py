@@ -130,12 +130,15 @@ NUMBERS = (
     "imbalance",
     "staleness_max",
     "staleness_mean",
+    "episode_return",
+    "env_steps",
+    "env_steps_per_s",
     "wall_s",
     "final_loss",
     "world_size",
     "steps",
 )
-NUMBER_LISTS = ("peak_memory_bytes", "model_state_bytes")
+NUMBER_LISTS = ("peak_memory_bytes", "model_state_bytes", "actor_env_steps_per_s")
 
 
 def _number(value) -> bool:

@@ -15,6 +15,7 @@ from gradmesh.parallel import registry
 def job_plan(cfg: configuration.Config, nproc: int, world: int, meta_model) -> registry.Plan:
     """The strategy registry's checks; returns the plan (strategies on a named mesh) the workers build."""
     check_ps_options_need_ps(cfg, cfg.train.strategy, [row.name for row in registry.ROWS if row.has_servers])
+    check_experience(cfg)
     mesh = registry.mesh_for(cfg.train.strategy, world, cfg.train.mesh)
     product = math.prod(mesh.values())
     if product != world:
@@ -40,6 +41,27 @@ def has_batch_norm(model) -> bool:
     from torch.nn.modules.batchnorm import _BatchNorm
 
     return any(isinstance(module, _BatchNorm) for module in model.modules())
+
+
+def check_experience(cfg: configuration.Config) -> None:
+    """Reinforcement-learning workloads train under the strategy whose ranks act and learn, and it
+    trains nothing else; --learners means nothing to another workload (refused, not ignored)."""
+    experience = registry.experience_strategy()
+    learns = cfg.model.name in configuration.RL_MODELS
+    if learns and cfg.train.strategy != experience:
+        raise UsageError(
+            f"--model {cfg.model.name} learns from its own actors' experience: it trains under --strategy "
+            f"{experience} only (its default), not {cfg.train.strategy}; leave --strategy out"
+        )
+    if not learns and cfg.train.strategy == experience:
+        raise UsageError(
+            f"--strategy {experience} trains reinforcement-learning workloads ({', '.join(configuration.RL_MODELS)}), "
+            f"not --model {cfg.model.name}; give --model {configuration.RL_MODELS[0]} or another strategy"
+        )
+    if not learns and cfg.rl.learners != configuration.RLConfig().learners and not cfg.checkpoint.resume:
+        raise UsageError(
+            f"--learners applies to --model {', '.join(configuration.RL_MODELS)}, not {cfg.model.name}; leave it out"
+        )
 
 
 def check_batch_norm(cfg: configuration.Config, plan: registry.Plan, meta_model) -> None:

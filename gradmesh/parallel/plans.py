@@ -33,7 +33,7 @@ class Plan:
     def runs_lockstep(self) -> bool:
         """Every rank steps together (parameter servers' workers go at their own pace): a rollback
         can rewind them all at once."""
-        return self.engine != "ps"
+        return self.engine not in ("ps", "actor-learner")
 
     @property
     def accepts_balance(self) -> bool:
@@ -47,6 +47,11 @@ class Plan:
         """Some ranks serve parameters (`Strategy.has_servers`); its gradients travel as pushes
         through the servers' wire, not through the reducer with each parameter's place."""
         return any(row.has_servers for row in self.rows)
+
+    @property
+    def experience(self) -> bool:
+        """It trains on its own actors' experience (`Strategy.experience`), not on a dataset."""
+        return any(row.experience for row in self.rows)
 
     @property
     def pipelined(self) -> bool:

@@ -20,10 +20,13 @@ from typing import Any
 
 from gradmesh.errors import UsageError
 from gradmesh.mesh import DATA_AXES, parse_mesh
+from gradmesh.parallel.actor_learner import check_actor_learner
 from gradmesh.parallel.plans import Plan
 from gradmesh.parallel.prelaunch import check_hybrid, check_pipeline, check_ps, check_tables, check_tp
 from gradmesh.parallel.strategy import (
+    ACTOR_ROLE,
     FP32,
+    LEARNER_ROLE,
     SERVER_ROLE,
     WORKER_ROLE,
     ModelSize,
@@ -170,8 +173,36 @@ ROWS = (
         checks=(check_tables,),
         shards_tables=True,
     ),
+    # Reinforcement learning's actor-learner shape (IMPALA): actors act with the weights they last
+    # pulled and send trajectories, learners train on them with V-trace and all-reduce among
+    # themselves. A learner holds the model, its gradient and the optimizer state; the wire carries
+    # a pull of the weights every K trajectories (trajectories' bytes depend on the environment).
+    # A lost actor is dropped in place; a lost learner restarts every rank from the last checkpoint.
+    Strategy(
+        "impala",
+        "ps",
+        "actor-learner",
+        "gradmesh.parallel.actor_learner:apply_actor_learner",
+        "actor-learner reinforcement learning (IMPALA, V-trace): actors act and send trajectories, learners train "
+        "(rl-cartpole)",
+        state_bytes=lambda size, n: _all_bytes(size),
+        wire_bytes=lambda size, n: FP32 * size.params,
+        roles=(LEARNER_ROLE, ACTOR_ROLE),
+        **PS_ENGINE_KEEPS_ITS_OWN_STATE,
+        checks=(check_actor_learner,),
+        same_work=False,
+        step_breakdown=False,
+        inplace_recovery=True,
+        critical="gradmesh.parallel.actor_learner:learner_ranks",
+        experience=True,
+    ),
 )
 STRATEGIES = {row.name: row for row in ROWS}
+
+
+def experience_strategy() -> str:
+    """The strategy of the workloads that train on their own actors' experience (`Strategy.experience`)."""
+    return next(row.name for row in ROWS if row.experience)
 
 
 def critical_ranks(cfg, world: int) -> frozenset[int]:
@@ -219,4 +250,15 @@ def resolve(name: str, mesh: dict[str, int]) -> Plan:
     return Plan(label, dict(mesh), rows)
 
 
-__all__ = ["ROWS", "STRATEGIES", "ModelSize", "Plan", "Strategy", "get", "load", "mesh_for", "resolve"]
+__all__ = [
+    "ROWS",
+    "STRATEGIES",
+    "ModelSize",
+    "Plan",
+    "Strategy",
+    "experience_strategy",
+    "get",
+    "load",
+    "mesh_for",
+    "resolve",
+]

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 FP32 = 4
 WORKER_ROLE, SERVER_ROLE = "worker", "server"
 """The roles a rank plays: every strategy's ranks are workers; parameter servers add servers."""
+LEARNER_ROLE, ACTOR_ROLE = "learner", "actor"
+"""The actor-learner strategy's roles: learners train, actors make the experience they train on."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,9 @@ class Strategy:
     shards_tables: bool = False
     """The model's sparse tables are split by rows over the ranks, each making its own rows
     (`model.init_rows`): the workload keeps its whole tables on the meta device."""
+    experience: bool = False
+    """Its ranks train on experience their own actors make (reinforcement learning), not on a
+    dataset's global batches: the strategy of the workloads that do so, and of no other."""
     dense_on_workers: bool = False
     """Parameter-server family: the dense parameters are replicated on the workers and averaged
     among them by all-reduce; the servers hold only the sparse tables (hybrid)."""
