@@ -1,0 +1,166 @@
+"""Ray (issue 30, item 3): `gradmesh ray` and `gradmesh.ray.train` on a real local Ray cluster
+(`ray.cluster_utils.Cluster`: a head and a worker node of one CPU each, both on 127.0.0.1, each
+with its own raylet): 2 workers, one per node, train the single-process model; an actor killed
+from outside after the first checkpoint (rank 0's: it hosts the workers' store) restarts the whole
+group, which resumes and ends with the uninterrupted model; bad input is one line and exit 2."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gradmesh.errors import UsageError
+from gradmesh.fault.checkpoint import complete_checkpoints
+from gradmesh.ray import MISSING
+from helpers import TINY, free_port, gradmesh, metrics, rel_l2, weights
+from runs import STEPS, ddp_run
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
+
+LONG = ("--max-steps", "60", "--global-batch-size", "16", "--optimizer", "sgd")
+"""The Slurm requeue test's run: its single-process reference is trained once for both."""
+
+
+LOOPBACK_RAY = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""No usage statistics, and every node's address 127.0.0.1: Ray reads the second at its import
+(in this process: before the fixture imports it; the nodes inherit both)."""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    saved = {name: os.environ.get(name) for name in LOOPBACK_RAY}
+    os.environ.update(LOOPBACK_RAY)
+    from ray.cluster_utils import Cluster
+
+    local = {"num_cpus": 1, "node_ip_address": "127.0.0.1"}
+    nodes = Cluster(initialize_head=True, head_node_args={**local, "include_dashboard": False})
+    try:
+        nodes.add_node(**local)
+        nodes.wait_for_nodes()
+        yield nodes
+    finally:
+        nodes.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _workers(config: Path) -> dict[int, int]:
+    """rank -> pid of the gradmesh workers running `config` (their command line names it)."""
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"gradmesh.worker" not in argv or str(config).encode() not in argv:
+                continue
+            environ = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
+        except OSError:  # gone meanwhile
+            continue
+        found[int(environ[b"RANK"])] = int(proc.name)
+    return found
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+@pytest.mark.slow
+def test_two_workers_on_two_nodes_train_the_single_process_model(cluster, catalogue, tmp_path):
+    import ray
+
+    import gradmesh.ray
+
+    one = ddp_run(catalogue, 1, "sgd")
+    config: dict = {"train": {"max_steps": int(STEPS[1]), "global_batch_size": int(STEPS[3]), "optimizer": "sgd"},
+                    "run": {"dir": str(tmp_path / "run"), "quiet": True}}
+    for setting in TINY[1::2]:  # TINY's --set KEY=VALUE, as config sections
+        key, value = setting.split("=")
+        section, name = key.split(".")
+        config.setdefault(section, {})[name] = int(value)
+    summary = gradmesh.ray.train(config, num_workers=2, address=cluster.address)
+    assert (summary["world_size"], summary["steps"]) == (2, int(STEPS[1]))
+    assert rel_l2(weights(tmp_path / "run"), weights(one)) <= 1e-5
+    assert not ray.is_initialized()  # the session it opened, it closed
+
+
+@pytest.mark.slow
+def test_a_killed_actor_restarts_the_group_which_resumes_and_ends_with_the_uninterrupted_model(
+        cluster, catalogue, tmp_path):
+    one = catalogue.run(1, *LONG)
+    run_dir = tmp_path / "run"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "gradmesh", "ray", "--address", cluster.address, "--num-workers", "2",
+         "--run-dir", str(run_dir), *TINY, *LONG, "--checkpoint-every", "10", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while not complete_checkpoints(run_dir) and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        actor = _parent(_workers(run_dir / "config.toml")[0])
+        os.kill(actor, signal.SIGKILL)  # rank 0's actor, with the store its worker serves
+        _, err = driver.communicate(timeout=180)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, err
+    assert "worker rank 0: its Ray actor died" in err, err
+    assert "restarting all 2 workers from the latest checkpoint (restart 1 of 3)" in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0 < summary["steps_this_run"] < 60 and summary["world_size"] == 2  # resumed, not started again
+    assert [row["step"] for row in metrics(run_dir)] == list(range(1, 61))  # every step once
+    assert rel_l2(weights(run_dir), weights(one)) <= 1e-5
+    assert not _workers(run_dir / "config.toml")  # no worker outlives its actor
+
+
+@pytest.mark.slow
+def test_a_job_larger_than_the_cluster_is_refused_in_one_line(cluster, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "gradmesh", "ray", "--address", cluster.address,
+                           "--num-workers", "4", "--model", "mlp-digits", "--run-dir", str(tmp_path / "r")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "the workers need 4 CPU but the Ray cluster has 2 CPU" in done.stderr
+    assert not any((tmp_path / "r").iterdir())  # nothing written there: the check comes before the run starts
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--num-workers", "0"], "workers and CPUs per worker must be >= 1"),
+    (["--num-workers", "2", "--max-failures", "-1"], "failures >= 0"),
+    (["--num-workers", "2", "--recovery", "restart"], "use --max-failures K instead of --recovery"),
+    (["--num-workers", "2", "--strategy", "auto"], "--strategy auto plans for this machine's hardware"),
+    (["--num-workers", "2", "--data", "corpus.txt"], "give an absolute path on storage every node shares"),
+    (["--num-workers", "2", "--strategy", "nope"], "--strategy: invalid choice: 'nope'"),
+    (["--num-workers", "2", "--nproc", "2"], "unrecognized arguments: --nproc"),
+    ([], "the following arguments are required: --num-workers"),
+    (["--num-workers", "2", "--address", f"127.0.0.1:{free_port()}"], "nothing answers at 127.0.0.1:"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    done = gradmesh("ray", "--run-dir", str(tmp_path / "r"), "--model", "mlp-digits", *args, timeout=60)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_without_the_extra_it_says_what_to_install(tmp_path):
+    code = ("import sys; sys.modules['ray'] = None\nfrom gradmesh.cli import main\n"
+            f"sys.exit(main(['ray', '--num-workers', '2', '--run-dir', {str(tmp_path / 'r')!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"gradmesh: error: {MISSING}"
+
+
+def test_the_api_checks_its_arguments_before_ray_starts(tmp_path):
+    import gradmesh.ray
+
+    with pytest.raises(UsageError, match="workers and CPUs per worker must be >= 1"):
+        gradmesh.ray.train({"run": {"dir": str(tmp_path / "r")}}, num_workers=2, cpus_per_worker=0)
+    with pytest.raises(UsageError, match=r"train\.max_steps"):
+        gradmesh.ray.train({"train": {"max_steps": 0}}, num_workers=2)
+    assert not (tmp_path / "r").exists()
