@@ -18,8 +18,8 @@ import pytest
 from gradmesh.errors import UsageError
 from gradmesh.fault.checkpoint import complete_checkpoints
 from gradmesh.ray import MISSING
-from helpers import TINY, free_port, gradmesh, metrics, rel_l2, weights
-from runs import STEPS, ddp_run
+from helpers import TINY, free_port, gradmesh, listening_sockets, metrics, rel_l2, weights
+from runs import DIGITS, STEPS, ddp_run, digits_run
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                 reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
@@ -119,6 +119,37 @@ def test_a_killed_actor_restarts_the_group_which_resumes_and_ends_with_the_unint
     assert [row["step"] for row in metrics(run_dir)] == list(range(1, 61))  # every step once
     assert rel_l2(weights(run_dir), weights(one)) <= 1e-5
     assert not _workers(run_dir / "config.toml")  # no worker outlives its actor
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            children.setdefault(_parent(int(proc.name)), []).append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    found, todo = [], [root]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+@pytest.mark.slow
+def test_a_ray_of_its_own_keeps_every_listener_on_loopback_and_trains_the_single_process_model(catalogue, tmp_path):
+    """Without --address: gradmesh's own Ray on this machine (its GCS, raylet, agents, actors) and
+    the workers' store and gloo listen on 127.0.0.1 only, sampled while the job runs."""
+    one = digits_run(catalogue, 1)
+    driver = subprocess.Popen([sys.executable, "-m", "gradmesh", "ray", "--num-workers", "2", *DIGITS,
+                               "--run-dir", str(tmp_path / "run"), "--quiet"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen: set[tuple[str, int]] = set()
+    while driver.poll() is None:
+        seen |= set(listening_sockets(_descendants(driver.pid)))
+        time.sleep(0.1)
+    assert driver.returncode == 0, driver.stderr.read()
+    assert len(seen) >= 3 and {address for address, _ in seen} <= {"127.0.0.1", "::ffff:7f00:1"}, seen
+    assert rel_l2(weights(tmp_path / "run"), weights(one)) <= 1e-5
 
 
 @pytest.mark.slow

@@ -57,7 +57,9 @@ class JobFailed(RuntimeError):
 
 def _on_loopback(address: str | None) -> bool:
     """gradmesh's own Ray, or a cluster whose address is a loopback one: Ray kept on this machine."""
-    host = (address or "127.0.0.1").removeprefix("ray://").rpartition(":")[0]
+    if not address:
+        return True
+    host = address.removeprefix("ray://").rpartition(":")[0]
     return host == "localhost" or host.startswith("127.")
 
 
