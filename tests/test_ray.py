@@ -121,6 +121,19 @@ def test_a_killed_actor_restarts_the_group_which_resumes_and_ends_with_the_unint
     assert not _workers(run_dir / "config.toml")  # no worker outlives its actor
 
 
+@pytest.mark.slow
+def test_a_worker_stopping_on_its_own_is_not_restarted(cluster, tmp_path):
+    """A worker's own end (here: NaN losses under --on-nonfinite stop) is no lost worker: the job
+    ends with it, its exit code and rank 0's line, without a restart."""
+    done = subprocess.run([sys.executable, "-m", "gradmesh", "ray", "--address", cluster.address, "--num-workers", "2",
+                           "--model", "mlp-digits", "--max-steps", "20", "--inject", "nan:rank=1,step=3",
+                           "--run-dir", str(tmp_path / "run"), "--quiet"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 4, done.stderr
+    assert "restarting" not in done.stderr
+    assert done.stderr.rstrip().splitlines()[-1].startswith("gradmesh: alert at step 3: NaN or infinite loss"), done.stderr
+
+
 def _descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for proc in Path("/proc").glob("[0-9]*"):

@@ -142,6 +142,12 @@ def _run_group(ray: Any, config_path: str, shape: Shape, settings: dict) -> list
         remove_placement_group(group)
 
 
+def _last_word(tail: str) -> str:
+    """A worker's last line of its own (`gradmesh: ...`): shown by the driver too, as Ray forwards
+    the workers' output to it in the background and may not have passed that line on yet."""
+    return next((line for line in reversed(tail.splitlines()) if "gradmesh:" in line), "")
+
+
 def run_job(ray: Any, config_path: str, shape: Shape, max_failures: int, settings: dict) -> tuple[int, str]:
     """(exit code, what to say) of the job: groups started until one finishes, a worker's own
     error ends it, or `max_failures` restarts after lost workers are spent."""
@@ -153,8 +159,9 @@ def run_job(ray: Any, config_path: str, shape: Shape, max_failures: int, setting
         failed = [outcome for outcome in outcomes if not outcome.ok]
         if not failed:
             return 0, ""
-        if any(outcome.code == EXIT_NONFINITE for outcome in failed):
-            return EXIT_NONFINITE, ""  # rank 0 has said which step, rank and values, in one line
+        stopped = sorted((outcome for outcome in failed if outcome.code == EXIT_NONFINITE), key=lambda o: o.rank)
+        if stopped:  # every rank stops together; rank 0 has said which step, rank and values, in one line
+            return EXIT_NONFINITE, _last_word(stopped[0].tail)
         cause = next((outcome for outcome in failed if outcome.lost), None)
         if cause is None:
             first = failed[0]
