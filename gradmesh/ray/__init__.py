@@ -99,7 +99,13 @@ def connect(ray: Any, address: str | None) -> bool:
     if address:
         where: dict[str, Any] = {"address": address}
     else:
-        where = {"address": "local", "_node_ip_address": LOCAL, "include_dashboard": False}
+        # gradmesh passes paths, numbers and text through Ray, no tensors: a small object store will do.
+        where = {
+            "address": "local",
+            "_node_ip_address": LOCAL,
+            "include_dashboard": False,
+            "object_store_memory": 2**27,
+        }
     try:
         ray.init(**where, logging_level=logging.WARNING, log_to_driver=True)
     except (ConnectionError, ValueError, RuntimeError) as err:
