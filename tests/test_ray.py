@@ -28,30 +28,21 @@ LONG = ("--max-steps", "60", "--global-batch-size", "16", "--optimizer", "sgd")
 """The Slurm requeue test's run: its single-process reference is trained once for both."""
 
 
-LOOPBACK_RAY = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-"""No usage statistics, and every node's address 127.0.0.1: Ray reads the second at its import
-(in this process: before the fixture imports it; the nodes inherit both)."""
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    saved = {name: os.environ.get(name) for name in LOOPBACK_RAY}
-    os.environ.update(LOOPBACK_RAY)
-    from ray.cluster_utils import Cluster
-
-    local = {"num_cpus": 1, "node_ip_address": "127.0.0.1"}
-    nodes = Cluster(initialize_head=True, head_node_args={**local, "include_dashboard": False})
+    """The address of a 2-node local Ray cluster (tests/ray_cluster.py, in a process of its own)."""
+    nodes = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ray_cluster.py")), "2"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        nodes.add_node(**local)
-        nodes.wait_for_nodes()
-        yield nodes
+        address = nodes.stdout.readline().strip()
+        assert address.startswith("127.0.0.1:"), f"the Ray cluster did not start ({nodes.poll()})"
+        yield address
     finally:
-        nodes.shutdown()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        nodes.stdin.close()
+        try:
+            nodes.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            nodes.kill()
 
 
 def _workers(config: Path) -> dict[int, int]:
@@ -74,12 +65,19 @@ def _parent(pid: int) -> int:
     return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
+API_RUN = """
+import json, sys
+import gradmesh.ray
+summary = gradmesh.ray.train(json.loads(sys.argv[1]), num_workers=2, address=sys.argv[2])
+import ray
+assert not ray.is_initialized()  # the session it opened, it closed
+print(json.dumps(summary))
+"""
+
+
 @pytest.mark.slow
 def test_two_workers_on_two_nodes_train_the_single_process_model(cluster, catalogue, tmp_path):
-    import ray
-
-    import gradmesh.ray
-
+    """Through the Python API (in a process of its own, as Ray's driver)."""
     one = ddp_run(catalogue, 1, "sgd")
     config: dict = {"train": {"max_steps": int(STEPS[1]), "global_batch_size": int(STEPS[3]), "optimizer": "sgd"},
                     "run": {"dir": str(tmp_path / "run"), "quiet": True}}
@@ -87,10 +85,12 @@ def test_two_workers_on_two_nodes_train_the_single_process_model(cluster, catalo
         key, value = setting.split("=")
         section, name = key.split(".")
         config.setdefault(section, {})[name] = int(value)
-    summary = gradmesh.ray.train(config, num_workers=2, address=cluster.address)
+    done = subprocess.run([sys.executable, "-c", API_RUN, json.dumps(config), cluster],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert (summary["world_size"], summary["steps"]) == (2, int(STEPS[1]))
     assert rel_l2(weights(tmp_path / "run"), weights(one)) <= 1e-5
-    assert not ray.is_initialized()  # the session it opened, it closed
 
 
 @pytest.mark.slow
@@ -99,7 +99,7 @@ def test_a_killed_actor_restarts_the_group_which_resumes_and_ends_with_the_unint
     one = catalogue.run(1, *LONG)
     run_dir = tmp_path / "run"
     driver = subprocess.Popen(
-        [sys.executable, "-m", "gradmesh", "ray", "--address", cluster.address, "--num-workers", "2",
+        [sys.executable, "-m", "gradmesh", "ray", "--address", cluster, "--num-workers", "2",
          "--run-dir", str(run_dir), *TINY, *LONG, "--checkpoint-every", "10", "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
@@ -125,7 +125,7 @@ def test_a_killed_actor_restarts_the_group_which_resumes_and_ends_with_the_unint
 def test_a_worker_stopping_on_its_own_is_not_restarted(cluster, tmp_path):
     """A worker's own end (here: NaN losses under --on-nonfinite stop) is no lost worker: the job
     ends with it, its exit code and rank 0's line, without a restart."""
-    done = subprocess.run([sys.executable, "-m", "gradmesh", "ray", "--address", cluster.address, "--num-workers", "2",
+    done = subprocess.run([sys.executable, "-m", "gradmesh", "ray", "--address", cluster, "--num-workers", "2",
                            "--model", "mlp-digits", "--max-steps", "20", "--inject", "nan:rank=1,step=3",
                            "--run-dir", str(tmp_path / "run"), "--quiet"],
                           capture_output=True, text=True, timeout=120)
@@ -167,7 +167,7 @@ def test_a_ray_of_its_own_keeps_every_listener_on_loopback_and_trains_the_single
 
 @pytest.mark.slow
 def test_a_job_larger_than_the_cluster_is_refused_in_one_line(cluster, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "gradmesh", "ray", "--address", cluster.address,
+    done = subprocess.run([sys.executable, "-m", "gradmesh", "ray", "--address", cluster,
                            "--num-workers", "4", "--model", "mlp-digits", "--run-dir", str(tmp_path / "r")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
