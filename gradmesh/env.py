@@ -159,3 +159,37 @@ PET_MASTER_ADDR and PET_MASTER_PORT."""
 def scheduler_launch() -> dict[str, str]:
     """The PET_* launch settings a cluster scheduler put in this process's environment."""
     return {name: os.environ[f"PET_{name}"] for name in SCHEDULER_LAUNCH if os.environ.get(f"PET_{name}", "").strip()}
+
+
+def place_worker(rank: int, world_size: int, master: tuple[str, int], attempt: int) -> None:
+    """For the worker a `gradmesh ray` actor starts: torchrun's variables, as torch elastic sets them
+    for one worker per node (it is the only one of its actor), and the attempt, which a restarted
+    group's workers read as torch elastic's restart count (resume from the latest checkpoint)."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR=master[0],
+        MASTER_PORT=str(master[1]),
+        TORCHELASTIC_RESTART_COUNT=str(attempt),
+    )
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # no agent: rank 0 serves the job's store
+
+
+def serve_store_on_loopback(on: bool) -> None:
+    """Rank 0 serves the job's store on 127.0.0.1 only (a job on one machine without an agent)."""
+    os.environ["GRADMESH_STORE_ON_LOOPBACK"] = "1" if on else "0"
+
+
+def store_on_loopback() -> bool:
+    return os.environ.get("GRADMESH_STORE_ON_LOOPBACK") == "1"
+
+
+def ray_defaults(loopback: bool) -> None:
+    """Before gradmesh imports Ray: no usage statistics sent anywhere (Ray's opt-out); with
+    `loopback` (a Ray kept on this machine) every node's address is 127.0.0.1 (the switch Ray sets
+    on macOS and Windows, read at its import). A user's own settings win."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if loopback:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -6,6 +6,8 @@ is a request already fulfilled (resuming a finished run): one line, exit code 0.
 """
 
 EXIT_USAGE = 2
+EXIT_HANG = 3
+"""A worker whose step watchdog found the run hung (`--step-timeout`)."""
 EXIT_NONFINITE = 4
 """A run stopped on NaN or infinite values (`--on-nonfinite`)."""
 

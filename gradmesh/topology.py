@@ -103,6 +103,16 @@ def _attempt_store(generation: int = 0) -> "dist.Store | None":
     return dist.PrefixStore(f"gradmesh/attempt-{attempt}/generation-{generation}", store)
 
 
+def _loopback_job_store() -> "dist.TCPStore":
+    """A job without torch elastic's agent, on one machine (`gradmesh ray` on one host): rank 0
+    serves the job's store on 127.0.0.1 only (torch's env:// rendezvous would listen on every
+    interface) and the others join it; every rank hands its store to the process group, so that
+    all of them use the same keys."""
+    where = env.master()
+    assert where is not None  # the actor that sets the switch sets MASTER_ADDR/MASTER_PORT with it
+    return stores.LoopbackTCPStore(where[0], where[1], is_master=env.placement().rank == 0, wait_for_workers=False)
+
+
 def _collective_timeout() -> "timedelta | None":
     """In-place recovery bounds how long a collective waits: a gloo collective whose ring
     partner left the broken group (rather than died) blocks until this timeout; then it raises
@@ -179,6 +189,8 @@ class Topology:
         if not env.launched():
             store = stores.loopback_store()
             env.default_master(store.port)
+        elif env.store_on_loopback():
+            store = _loopback_job_store()
         where = env.placement()
         return cls(
             rank=where.rank,

@@ -10,7 +10,7 @@ and what is accepted, and exits with code 2. Nothing here imports torch until a 
 import functools
 import sys
 
-from gradmesh.cli import export, k8s, monitor, plan, run, slurm, train
+from gradmesh.cli import export, k8s, monitor, plan, ray, run, slurm, train
 from gradmesh.cli.options import Parser
 from gradmesh.errors import EXIT_USAGE, NothingToDo, UsageError
 
@@ -21,6 +21,7 @@ COMMANDS = {
     "export": export.cmd_export,
     "k8s": k8s.cmd_k8s,
     "slurm": slurm.cmd_slurm,
+    "ray": ray.cmd_ray,
     "monitor": monitor.cmd_monitor,
     "report": monitor.cmd_report,
 }
@@ -32,7 +33,7 @@ def build_parser() -> Parser:
     which an in-process caller of `main` (the tests' fuzzing, a launcher's zygote) pays per call."""
     parser = Parser(prog="gradmesh", description="Distributed training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
-    for command in (train, plan, run, export, monitor, slurm, k8s):  # the order `gradmesh --help` lists them in
+    for command in (train, plan, run, export, monitor, slurm, k8s, ray):  # the order `gradmesh --help` lists them in
         command.add_parser(sub)
     return parser
 

@@ -55,11 +55,14 @@ def _advise(cfg: configuration.Config) -> None:
         )
 
 
-def check_train(cfg: configuration.Config, nproc: int, device: str = "cpu") -> Path | None:
+def check_train(
+    cfg: configuration.Config, nproc: int, device: str = "cpu", memory_ranks: int | None = None
+) -> Path | None:
     """Every check that can fail before a worker starts, in the order a user meets them (a UsageError
     names the first problem; NothingToDo when a resumed run is already done). Writes nothing but
     the run directory itself, and that only once everything else passed; returns it (None: a new
-    default one is made at launch)."""
+    default one is made at launch). `memory_ranks`: the ranks that share one machine's memory
+    (default: all `nproc`)."""
     from gradmesh import workloads
 
     world = nproc * cfg.launch.nnodes
@@ -72,7 +75,7 @@ def check_train(cfg: configuration.Config, nproc: int, device: str = "cpu") -> P
     _check_recovery(cfg, plan)
     _check_trace(cfg)
     workloads.check_inputs(cfg)
-    check_memory(cfg, plan, meta_model, nproc, device)
+    check_memory(cfg, plan, meta_model, memory_ranks or nproc, device)
     if cfg.monitor.prometheus_port:
         _check_port_free(cfg.monitor.prometheus_port)
     if _default_fresh(cfg):  # a folder of its own is made at launch, under runs/
@@ -188,17 +191,12 @@ def _start(cfg: configuration.Config, nproc: int, run_dir: Path, prediction: dic
 
     inplace = cfg.fault.recovery == "inplace"
     critical = registry.critical_ranks(cfg, nproc * cfg.launch.nnodes) if inplace else frozenset()
-    going_back = cfg.fault.recovery == "restart" or critical or cfg.fault.on_nonfinite == "rollback"
-    if going_back and not cfg.checkpoint.every:
-        cfg.checkpoint.every = RESTART_CHECKPOINT_EVERY  # a restart or rollback must have something recent to load
-    if not cfg.checkpoint.resume:
-        _start_fresh(run_dir, cfg.run.overwrite, cfg.run.quiet)
-    auto.write_prediction(run_dir, prediction)
-    config_path = run_dir / "config.toml"
-    atomic_write(config_path, cfg.to_toml())
+    going_back = cfg.fault.recovery == "restart" or bool(critical) or cfg.fault.on_nonfinite == "rollback"
+    config_path = write_run_config(cfg, run_dir, going_back, prediction)
     restarts = cfg.fault.max_restarts if cfg.fault.recovery != "none" else 0
-    if not inplace and cfg.fault.explicit_timeout > AUTO_TIMEOUT_CAP:  # the step watchdog reports first
-        env.set_collective_timeout(cfg.fault.explicit_timeout + COLLECTIVE_MARGIN_S)
+    timeout = collective_timeout(cfg)
+    if not inplace and timeout:
+        env.set_collective_timeout(timeout)
     return run_workers(
         cfg.launch,
         nproc,
@@ -207,6 +205,29 @@ def _start(cfg: configuration.Config, nproc: int, run_dir: Path, prediction: dic
         inplace=(cfg.fault.explicit_timeout or INPLACE_COLLECTIVE_TIMEOUT) if inplace else 0.0,
         critical=critical,
     )
+
+
+def write_run_config(
+    cfg: configuration.Config, run_dir: Path, going_back: bool, prediction: dict | None = None
+) -> Path:
+    """What every launcher does before its workers start (run lock held): a checkpoint cadence where
+    the job may go back to one, a fresh run directory unless resuming, and config.toml (its path)."""
+    if going_back and not cfg.checkpoint.every:
+        cfg.checkpoint.every = RESTART_CHECKPOINT_EVERY  # a restart or rollback must have something recent to load
+    if not cfg.checkpoint.resume:
+        _start_fresh(run_dir, cfg.run.overwrite, cfg.run.quiet)
+    auto.write_prediction(run_dir, prediction)
+    config_path = run_dir / "config.toml"
+    atomic_write(config_path, cfg.to_toml())
+    return config_path
+
+
+def collective_timeout(cfg: configuration.Config) -> float | None:
+    """Seconds a collective may wait, where the step watchdog's own timeout is set past torch's
+    default and must report first; None: torch's default."""
+    if cfg.fault.explicit_timeout > AUTO_TIMEOUT_CAP:
+        return cfg.fault.explicit_timeout + COLLECTIVE_MARGIN_S
+    return None
 
 
 def _start_fresh(run_dir: Path, overwrite: bool, quiet: bool) -> None:

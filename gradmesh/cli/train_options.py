@@ -17,13 +17,18 @@ def add_parser(subparsers) -> None:
         description="Train a built-in workload on N workers: data parallel, sharded, "
         "tensor or pipeline parallel, composed on a mesh, or with parameter servers.",
     )
-    add_job_options(train)
-    run = _add_run_options(train)
-    add_failure_options(train)
-    _add_monitoring_options(train)
+    add_train_options(train)
+    add_launch_options(train)
+
+
+def add_train_options(parser: argparse.ArgumentParser) -> None:
+    """Every option of `gradmesh train` but the launch's (`gradmesh ray` places the workers itself)."""
+    add_job_options(parser)
+    run = _add_run_options(parser)
+    add_failure_options(parser)
+    _add_monitoring_options(parser)
     # Added after the monitoring options so that the usage line lists it where it always has.
     run.add_argument("--quiet", action="store_true", default=None, help="no progress bar or summary table")
-    add_launch_options(train)
 
 
 def add_job_options(parser: argparse.ArgumentParser) -> None:

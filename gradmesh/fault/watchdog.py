@@ -23,11 +23,11 @@ from pathlib import Path
 
 from gradmesh import env, manifest
 from gradmesh.config.fault import AUTO_STEP_TIMEOUT, AUTO_TIMEOUT_CAP, auto_timeout
+from gradmesh.errors import EXIT_HANG
 from gradmesh.fault import inplace
 from gradmesh.files import open_append
 from gradmesh.topology import job_store
 
-EXIT_HANG = 3
 PHASES = ("started", "forward done", "backward done", "optimizer done")
 REGROUPING = 9_999
 """In-place recovery: this rank's part of the step failed and it waits for the next group — ahead

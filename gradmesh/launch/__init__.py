@@ -18,8 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from gradmesh import env, lifeline, stores
 from gradmesh.config import LaunchConfig
-from gradmesh.errors import EXIT_NONFINITE
-from gradmesh.fault.watchdog import EXIT_HANG
+from gradmesh.errors import EXIT_HANG, EXIT_NONFINITE
 from gradmesh.launch import network
 from gradmesh.topology import resolve_device, threads_per_worker
 
