@@ -134,6 +134,8 @@ def test_actors_and_learners_learn_and_apply_every_trajectory_once(tmp_path):
     assert _learnt(rl)
     _check_counts(rl)
     rows = metrics(tmp_path)
+    steps = [row["step"] for row in rows]  # a row per step once, the last at the final version
+    assert steps == sorted(set(steps)) and steps[-1] == found["steps"], steps
     returns = [row["episode_return"] for row in rows if row["episode_return"] is not None]
     assert returns[0] < 60 and max(returns) >= 100  # progress from random play's ~22, not luck
     assert all(row["staleness_max"] >= 0 and len(row["actor_env_steps_per_s"]) == 2 for row in rows)

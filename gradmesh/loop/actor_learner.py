@@ -48,6 +48,8 @@ class Clock:
     earlier_env_steps: int = 0
     """Environment steps before the checkpoint this start resumed from (its actors count from 0)."""
     loss: float = float("nan")
+    row_step: int = -1
+    """The step of the last metrics row (a closing round that trained nothing keeps the step: no second row)."""
     """The loss of the last round that trained (the closing rounds, draining the queues, may train on nothing)."""
 
 
@@ -99,7 +101,8 @@ class ActorLearnerRun:
         every = self.cfg.checkpoint.every
         if every and round_.steps and round_.version % every == 0 and not round_.finished:
             self._save(round_)
-        if self.rank == 0 and (round_.finished or (round_.steps and round_.version % self.cfg.rl.log_every == 0)):
+        due = round_.finished or (round_.steps and round_.version % self.cfg.rl.log_every == 0)
+        if self.rank == 0 and due and round_.version != self.clock.row_step:
             self._write_row(round_)
 
     def _write_row(self, round_: Round) -> None:
@@ -121,6 +124,7 @@ class ActorLearnerRun:
             "staleness_max": round_.lag_max,
         }
         clock.last_time, clock.last_steps, clock.last_trained = now, list(round_.env_steps), clock.trained
+        clock.row_step = round_.version
         with open_append(self.run_dir / "metrics.jsonl") as handle:
             handle.write(json.dumps(row) + "\n")
         self.progress.update(row)
