@@ -11,7 +11,8 @@ import torch
 from catalogue import copy_run
 from gradmesh.comm.exchange import Link, Router
 from gradmesh.fault import checkpoint
-from gradmesh.parallel.table_layout import greedy_owners, row_layout, table_layout
+from gradmesh.parallel.placement import greedy_owners
+from gradmesh.parallel.table_layout import row_layout, table_layout
 from helpers import metrics, python_m_gradmesh, rel_l2, summary, train, weights
 from test_recsys import PARITY, SMALL
 
@@ -188,3 +189,16 @@ def test_table_sharding_is_refused_without_the_tables_strategy(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--table-sharding" in lines[0] and "--strategy tables" in lines[0]
     assert "Traceback" not in done.stderr and not (tmp_path / "r").exists()
+
+
+def test_the_memory_formula_counts_the_rank_that_table_wise_placement_loads_most():
+    """Tables of 20, 36, 36, 8 and 28 parameters over 3 ranks go 36 | 36 | 28 + 20 (then 8 to
+    rank 0): the busiest holds 48, where even rows would be 128 / 3 each. The dense 100
+    parameters count with their gradient and AdamW's two moments (4 x 4 bytes)."""
+    from gradmesh.parallel import registry
+
+    row = registry.get("tables")
+    even = registry.ModelSize(params=228, table_params=128)
+    whole = registry.ModelSize(params=228, table_params=128, whole_tables=(20, 36, 36, 8, 28))
+    assert row.state_bytes(whole, 3) == 4 * (100 * 4 + 48)
+    assert row.state_bytes(even, 3) == pytest.approx(4 * (100 * 4 + 128 / 3))

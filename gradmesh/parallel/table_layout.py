@@ -20,16 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from gradmesh.comm.exchange import Placement, shuffle
-
-
-def greedy_owners(rows: list[int], ranks: int) -> list[int]:
-    """Each table's rank: the largest table first, each to the rank with the fewest rows so far
-    (ties: the lower table first, the lower rank)."""
-    held, owners = [0] * ranks, [0] * len(rows)
-    for table in sorted(range(len(rows)), key=lambda t: (-rows[t], t)):
-        owner = min(range(ranks), key=lambda r: (held[r], r))
-        owners[table], held[owner] = owner, held[owner] + rows[table]
-    return owners
+from gradmesh.parallel.placement import greedy_owners
 
 
 @dataclass
