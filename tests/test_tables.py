@@ -1,5 +1,6 @@
-"""`--strategy tables` (issue 28): the sparse tables split by rows over every rank, the lookups'
-rows and their gradients exchanged by all-to-all, the dense network data parallel. Held to the
+"""`--strategy tables` (issue 28): the sparse tables split by rows over every rank (or, with
+--table-sharding table, each whole on one rank), the lookups' rows and their gradients exchanged
+by all-to-all, the dense network data parallel. Held to the
 single-process model (tables included, a global clip that binds), to DCP resharding both ways
 with ddp, to the bytes each rank holds, and to the same held-out AUC as data parallelism."""
 

@@ -3,10 +3,12 @@ tables`): the embedding model parallelism of DLRM and TorchRec, on torch's own p
 
 Each table the model declares sparse (`model.sparse_tables()`) is split into even row ranges over
 the data axis (torch.chunk's split: rank r holds rows [r c, (r + 1) c), c = ceil(rows / ranks)),
-each rank making its own rows (`model.init_rows`), so no rank ever holds a whole table. The
-weight is a DTensor sharded on its rows, as FSDP2 keeps a parameter: checkpoints hold it under
-its parameter name and DCP reshards it to and from every other strategy; the final export and
-`full_state` gather it.
+or, with --table-sharding table, kept whole on one rank placed by size
+(`gradmesh.parallel.table_layout`), each rank making its own rows (`model.init_rows`). Row-wise
+the weight is a DTensor sharded on its rows, as FSDP2 keeps a parameter: checkpoints hold it
+under its parameter name and DCP reshards it to and from every other strategy; the final export
+and `full_state` gather it. Table-wise the state dict shows the same DTensor, made from the
+owner's table when asked (`gradmesh.parallel.table_state`).
 
 A step: at the first table's call, one exchange serves every table (`gradmesh.comm.exchange`:
 every rank's lookups are known from every rank's share, which the engine shows before each
