@@ -16,6 +16,7 @@ Per table-row count (--rows, default 10^5 and 10^6), per round, one run each of:
   gradmesh ddp          2 workers (the tables' gradients dense, all-reduced whole)
   gradmesh hybrid       2 workers + 1 parameter server holding the tables (as benchmarks/bench_recsys.py runs it)
   gradmesh tables       2 processes, the tables sharded (only where `gradmesh train --help` lists the strategy)
+  gradmesh tables (table-wise)   the same, every table whole on one rank (--table-sharding table)
 
 The runs alternate inside each round, in reverse order every other round, so that machine
 noise and drift hit every system alike. Each run's throughput is its steady state: samples/s
@@ -89,8 +90,10 @@ def systems(tables_available: bool) -> list[dict]:
         {"name": "gradmesh hybrid", "side": "gradmesh", "args": ["--strategy", "hybrid", "--ps-servers", "1"],
          "processes": 3, "stamps": False},
         {"name": "gradmesh tables", "side": "gradmesh", "args": ["--strategy", "tables"], "processes": 2},
+        {"name": "gradmesh tables (table-wise)", "side": "gradmesh",
+         "args": ["--strategy", "tables", "--table-sharding", "table"], "processes": 2},
     ]
-    return [s for s in found if tables_available or s["name"] != "gradmesh tables"]
+    return [s for s in found if tables_available or not s["name"].startswith("gradmesh tables")]
 
 
 def gradmesh_strategies() -> list[str]:

@@ -32,13 +32,16 @@ def model_size(cfg: configuration.Config, model, slots: int | None = None) -> re
 
     if slots is None:
         slots = optimizer_slots(*optimizer_spec(cfg.train))
+    from gradmesh.parallel.placement import whole_tables
     from gradmesh.parallel.ps import sparse_tables
 
+    tables = [table for _, table in sparse_tables(model)]
     return registry.ModelSize(
         params=sum(p.numel() for p in model.parameters()),
         slots=slots,
         tp_params=tp_parameter_count(model),
-        table_params=sum(table.weight.numel() for _, table in sparse_tables(model)),
+        table_params=sum(table.weight.numel() for table in tables),
+        whole_tables=whole_tables(cfg, tables),
     )
 
 

@@ -23,6 +23,7 @@ FLAG_KEYS = {
     "pp_schedule": "train.pp_schedule",
     "microbatches": "train.microbatches",
     "pp_split": "train.pp_split",
+    "table_sharding": "train.table_sharding",
     "global_batch_size": "train.global_batch_size",
     "grad_accum": "train.grad_accum",
     "bucket_mb": "train.bucket_mb",

@@ -98,7 +98,12 @@ def _add_how_options(train: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     how.add_argument(
         "--pp-split", metavar="UNIT,...", help="manual pipeline cut, e.g. h.2 (default: balanced by measured cost)"
     )
-
+    how.add_argument(
+        "--table-sharding",
+        choices=configuration.TABLE_SHARDINGS,
+        help="--strategy tables: row, each sparse table's rows split evenly over every rank (default), or table, "
+        "each table whole on one rank (placed by size, as TorchRec's table-wise)",
+    )
     return how
 
 

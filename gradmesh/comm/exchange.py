@@ -2,8 +2,9 @@
 all-to-all exchange behind the `tables` strategy (`gradmesh.parallel.tables`).
 
 Each rank asks for the rows its share of a batch looks up, every table at once: each lookup
-becomes one key (table, row of the owner's range), and its distinct keys are grouped by the rank
-that owns the row (even row ranges, torch.chunk's split). Where every rank's share is known
+becomes one key (the row's place among its owner's rows), and its distinct keys are grouped by
+the rank that owns the row (`Placement`: even row ranges of every table over every rank,
+torch.chunk's split, or each table whole on one rank). Where every rank's share is known
 (training: the global order) each side of every exchange is computed locally (`Router.known`, no
 collective); elsewhere the keys go to their owners first (`Router.route`: one all-to-all in the
 steady state). The owners answer with the rows (all-to-all back). In backward the rows'
@@ -38,7 +39,7 @@ class Routed:
     received: list[int]
     """Distinct keys received from each rank."""
     keys: torch.Tensor
-    """Every key this rank serves, in arrival order, as table x `span` + row of its range."""
+    """Every key this rank serves, in arrival order: its place among this rank's rows (`Placement`)."""
 
 
 @dataclass
@@ -96,9 +97,23 @@ class RowGradients:
         return self.cached
 
 
+@dataclass
+class Placement:
+    """Where every table's rows live: row i of table t on rank base[t] + i // chunk[t], at key
+    start[t] + i mod chunk[t] of its owner's rows; every key below `size`. Row-wise sharding
+    (even ranges over every rank): base 0, chunk ceil(rows / ranks), start t x span; table-wise
+    (each table whole on one rank): base its owner, chunk its rows, start its place among its
+    owner's tables. Tensors [tables, 1], alike on every rank."""
+
+    base: torch.Tensor
+    chunk: torch.Tensor
+    start: torch.Tensor
+    size: int
+
+
 class Router:
-    """Sends each lookup of `ids` [tables, samples] to the rank owning its row (row r of table t
-    lives on rank r // chunks[t]), as one key: table x `span` + row of the owner's range.
+    """Sends each lookup of `ids` [tables, samples] to the rank owning its row (`Placement`), as
+    one key: the row's place among its owner's rows.
 
     One all-to-all where it can: each rank's keys to each owner go in a box of a fixed capacity,
     behind a header of two numbers — how many keys the box holds, and the most this rank sends
@@ -106,22 +121,22 @@ class Router:
     if a box was too small they all send the keys again with the counts now known (a second
     all-to-all), and every rank sets the next capacity from the same number, a little above it."""
 
-    def __init__(self, chunks: torch.Tensor, span: int, world: int, link: Link):
-        self.chunks, self.span, self.world, self.link = chunks.unsqueeze(1), span, world, link
+    def __init__(self, placement: Placement, world: int, link: Link):
+        self.placement, self.world, self.link = placement, world, link
         self.group = link.group
         self.capacity = 0
 
     def _keys(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(owner, key) of every lookup of `ids` [tables, samples], flattened."""
-        owner = ids // self.chunks
-        table = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
-        return owner.reshape(-1), (table * self.span + ids - owner * self.chunks).reshape(-1)
+        where = self.placement
+        part = ids // where.chunk
+        return (where.base + part).reshape(-1), (where.start + ids - part * where.chunk).reshape(-1)
 
     def _distinct(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(distinct keys to send, sorted by owner then key; how many to each owner; each lookup's
         place among them)."""
         owner, keys = self._keys(ids)
-        space = self.span * ids.shape[0]
+        space = self.placement.size
         found, inverse = torch.unique(owner * space + keys, return_inverse=True)
         return found % space, torch.bincount(found // space, minlength=self.world), inverse
 
@@ -186,6 +201,14 @@ class Fetch(torch.autograd.Function):
         distinct = grad.new_zeros(sum(routed.sent), grad.shape[1]).index_add_(0, routed.inverse, grad)
         ctx.pending.add(routed.keys, _answer(distinct, routed, ctx.link, backward=True))
         return None, None, None, None, None
+
+
+def shuffle(values: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows of `values` to every rank (`out_splits`), rows from every rank (`in_splits`): one
+    all-to-all, for moving whole tables between shardings (checkpoints and the export)."""
+    out = values.new_empty(sum(in_splits), *values.shape[1:])
+    dist.all_to_all_single(out, values.contiguous(), in_splits, out_splits, group=group)
+    return out
 
 
 def all_reduce_sum(value: torch.Tensor, group) -> torch.Tensor:

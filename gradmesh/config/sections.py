@@ -21,6 +21,7 @@ from gradmesh.errors import UsageError
 from gradmesh.paths import check_name
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+TABLE_SHARDINGS = ("row", "table")
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -43,6 +44,9 @@ class TrainConfig:
     pp_split: str = ""
     """Manual pipeline cut: comma-separated units that begin stages 1, 2, ... e.g. "h.2" (empty: balanced by
     measured cost)."""
+    table_sharding: str = "row"
+    """--strategy tables: row (each sparse table split in even row ranges over every rank) or table (each
+    table whole on one rank, placed greedily by size)."""
     global_batch_size: int = 32
     """Samples per optimizer step summed over all ranks and micro-batches."""
     grad_accum: int = 1
@@ -96,6 +100,7 @@ class TrainConfig:
         parse_compression(self.compression)
         parse_balance(self.balance)
         _one_of("train", "pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _one_of("train", "table_sharding", self.table_sharding, TABLE_SHARDINGS)
         for name in (
             "global_batch_size",
             "grad_accum",

@@ -108,6 +108,7 @@ class Engine:
             bucket_mb=job.train.bucket_mb or DEFAULT_BUCKET_MB,
             counter=job.counter,
             compression=job.train.compression,
+            table_sharding=job.train.table_sharding,
             pipeline=self.pipeline_options(model),
         )
         self.model = apply_plan(model, topology, plan, self.options)

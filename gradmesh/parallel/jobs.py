@@ -28,6 +28,7 @@ def job_plan(cfg: configuration.Config, nproc: int, world: int, meta_model) -> r
     check_batch_norm(cfg, plan, meta_model)
     plan.check(cfg, meta_model)
     check_balance(cfg, plan, math.prod(mesh.get(axis, 1) for axis in DATA_AXES))
+    check_table_sharding(cfg, plan)
     method = parse_compression(cfg.train.compression)[0]
     if method not in plan.compressions:
         accepted = ", ".join(plan.compressions)
@@ -73,6 +74,18 @@ def check_batch_norm(cfg: configuration.Config, plan: registry.Plan, meta_model)
             f"--model {cfg.model.name} has batch normalisation, which trains under --strategy "
             f"{', '.join(accepted[:-1])} or {accepted[-1]} (each rank the whole model on its share, in step with "
             f"the others), not {plan.label}; use one of those"
+        )
+
+
+def check_table_sharding(cfg: configuration.Config, plan: registry.Plan) -> None:
+    """--table-sharding means nothing to a plan that does not shard tables: refused, not ignored
+    (except on --resume, where it comes from the saved config)."""
+    default = configuration.TrainConfig().table_sharding
+    if cfg.train.table_sharding != default and not plan.shards_tables and not cfg.checkpoint.resume:
+        accepted = " or ".join(row.name for row in registry.ROWS if row.shards_tables)
+        raise UsageError(
+            f"--table-sharding applies to --strategy {accepted}, not {plan.label}; "
+            f"leave it out or give --strategy {accepted}"
         )
 
 

@@ -23,5 +23,7 @@ class ApplyOptions:
     """gradmesh.comm.CommCounter: where collectives the reducer does not issue (FSDP2's) count their bytes."""
     compression: str = "none"
     """--compression: what fsdp sets its reduce dtype from (other strategies use the reducer)."""
+    table_sharding: str = "row"
+    """--table-sharding: how the tables strategy places the sparse tables' rows (row or table)."""
     pipeline: PipelineOptions | None = None
     """gradmesh.parallel.pipeline.PipelineOptions when the plan has a pipeline axis."""

@@ -74,6 +74,11 @@ class Plan:
         return any(row.every_share for row in self.rows)
 
     @property
+    def shards_tables(self) -> bool:
+        """Some row splits the sparse tables over its ranks (`Strategy.shards_tables`; --table-sharding applies)."""
+        return any(row.shards_tables for row in self.rows)
+
+    @property
     def step_breakdown(self) -> bool:
         return all(row.step_breakdown for row in self.rows)
 

@@ -5,6 +5,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gradmesh.parallel.placement import largest_share
+
 FP32 = 4
 WORKER_ROLE, SERVER_ROLE = "worker", "server"
 """The roles a rank plays: every strategy's ranks are workers; parameter servers add servers."""
@@ -28,6 +30,9 @@ class ModelSize:
     """Bytes of one block-boundary activation of this replica's share of a global batch."""
     table_params: int = 0
     """Parameters in sparse embedding tables (they train row-wise: one accumulator per row)."""
+    whole_tables: tuple[int, ...] = ()
+    """Parameters of each sparse table where each is held whole by one rank (`--table-sharding
+    table`: the rank the placement loads most counts); empty: their rows split evenly."""
 
 
 def _ring(n: int) -> float:
@@ -128,9 +133,11 @@ def load(ref: str | None) -> Callable:
 
 
 def _tables_state(size: ModelSize, n: int) -> float:
-    """The dense part as ddp holds it; 1/N of the tables' rows (their gradients are the touched
-    rows', their row-wise state a column: both left out)."""
-    return FP32 * ((size.params - size.table_params) * (2 + size.slots) + size.table_params / n)
+    """The dense part as ddp holds it; 1/N of the tables' rows, or table-wise the most whole tables
+    one rank holds (`placement.largest_share`; their gradients are the touched rows', their
+    row-wise state a column: both left out)."""
+    tables = largest_share(list(size.whole_tables), n) if size.whole_tables else size.table_params / n
+    return FP32 * ((size.params - size.table_params) * (2 + size.slots) + tables)
 
 
 def _tp_state(size: ModelSize, n: int) -> float:

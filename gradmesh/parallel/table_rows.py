@@ -1,13 +1,15 @@
 """One rank's rows of every sparse table in one tensor, for the `tables` strategy.
 
-Table t's rows of this rank's range sit from row t x span of one [tables x span, dim] tensor
-(span: the longest range), and their row-wise Adagrad accumulators likewise in one vector: a
-lookup's key (table x span + row of the range, `gradmesh.comm.exchange`) is its row here, so
-serving every table's rows, and stepping every touched row, is one indexed operation each
-rather than one per table. Each table's weight (and its accumulator in the optimizer's state)
-is a DTensor whose local part is a view into these tensors, so checkpoints, the export and the
-optimizer see the tables by their names as usual; a load copies into the views in place. A
-step checks that the views are still the storage it updates, and says so where they are not.
+Table t's rows held here sit from row start[t] of one [rows held, dim] tensor (row-wise: t x
+span, span the longest range; table-wise: after the tables this rank owns before it,
+`gradmesh.parallel.table_layout`), and their row-wise Adagrad accumulators likewise in one
+vector: a lookup's key (`gradmesh.comm.exchange.Placement`) is its row here, so serving every
+table's rows, and stepping every touched row, is one indexed operation each rather than one per
+table. Each table's weight (and its accumulator in the optimizer's state) is a view into these
+tensors — row-wise a DTensor whose local part it is, table-wise a plain tensor (the whole table
+on its owner, no rows elsewhere) — so the optimizer sees the tables by their names as usual; a
+load copies into the views in place. A step checks that the views are still the storage it
+updates, and says so where they are not.
 """
 
 import torch
@@ -15,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from gradmesh.optim import rowwise_adagrad
+from gradmesh.parallel.table_layout import Layout
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -24,25 +27,34 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class TableRows:
-    def __init__(self, tables: list[nn.Embedding], ranges: list[tuple[int, int]], span: int, mesh, device):
-        """`ranges`: this rank's [low, high) of each table; `mesh`: the data axis's."""
-        self.tables, self.span, self.mesh = tables, span, mesh
-        self.counts = [high - low for low, high in ranges]
-        dim = tables[0].embedding_dim
-        self.weights = torch.zeros(len(tables) * span, dim, device=device)
-        self.sums = torch.zeros(len(tables) * span, device=device)
+    def __init__(self, tables: list[nn.Embedding], layout: Layout, mesh, device):
+        """`layout`: where this rank's rows of each table go; `mesh`: the data axis's."""
+        self.tables, self.mesh, self.starts = tables, mesh, layout.starts
+        self.sharded = layout.owners is None  # row-wise: the weights are DTensors
+        self.counts = [high - low for low, high in layout.ranges]
+        self.weights = torch.zeros(layout.held, tables[0].embedding_dim, device=device)
+        self.sums = torch.zeros(layout.held, device=device)
 
     def place(self, index: int, rows: torch.Tensor) -> None:
         """Table `index`'s initial rows into their place, its weight a DTensor over them."""
         table, part = self.tables[index], self._part(self.weights, index)
         part.copy_(rows)
         shape = torch.Size((table.num_embeddings, table.embedding_dim))
-        weight = DTensor.from_local(part, self.mesh, [Shard(0)], run_check=False, shape=shape, stride=(shape[1], 1))
-        table.weight = nn.Parameter(weight)
+        if self.sharded:
+            part = DTensor.from_local(part, self.mesh, [Shard(0)], run_check=False, shape=shape, stride=(shape[1], 1))
+        table.weight = nn.Parameter(part)
 
     def _part(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        start = index * self.span
+        """Table `index`'s rows here (none: an empty slice)."""
+        start = self.starts[index] if self.counts[index] else 0
         return flat[start : start + self.counts[index]]
+
+    def load(self, index: int, rows: torch.Tensor) -> None:
+        """Table `index`'s rows here, replaced in place (table-wise: `table_layout.from_rows`)."""
+        self._part(self.weights, index).copy_(rows)
+
+    def accumulator(self, index: int) -> torch.Tensor:
+        return self._part(self.sums, index)
 
     def serve(self, keys: torch.Tensor) -> torch.Tensor:
         return self.weights.index_select(0, keys)
@@ -69,8 +81,10 @@ class TableRows:
         if found is None or local_of(found).data_ptr() != part.data_ptr():
             if found is not None:
                 part.copy_(local_of(found))
-            shape = torch.Size((weight.shape[0],))
-            state["sum"] = DTensor.from_local(part, self.mesh, [Shard(0)], run_check=False, shape=shape, stride=(1,))
+            shape = torch.Size((self.tables[index].num_embeddings,))
+            if self.sharded:
+                part = DTensor.from_local(part, self.mesh, [Shard(0)], run_check=False, shape=shape, stride=(1,))
+            state["sum"] = part
             state.setdefault("step", torch.tensor(0.0))
         state["step"] += 1
 

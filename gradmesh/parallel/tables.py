@@ -3,10 +3,12 @@ tables`): the embedding model parallelism of DLRM and TorchRec, on torch's own p
 
 Each table the model declares sparse (`model.sparse_tables()`) is split into even row ranges over
 the data axis (torch.chunk's split: rank r holds rows [r c, (r + 1) c), c = ceil(rows / ranks)),
-each rank making its own rows (`model.init_rows`), so no rank ever holds a whole table. The
-weight is a DTensor sharded on its rows, as FSDP2 keeps a parameter: checkpoints hold it under
-its parameter name and DCP reshards it to and from every other strategy; the final export and
-`full_state` gather it.
+or, with --table-sharding table, kept whole on one rank placed by size
+(`gradmesh.parallel.table_layout`), each rank making its own rows (`model.init_rows`). Row-wise
+the weight is a DTensor sharded on its rows, as FSDP2 keeps a parameter: checkpoints hold it
+under its parameter name and DCP reshards it to and from every other strategy; the final export
+and `full_state` gather it. Table-wise the state dict shows the same DTensor, made from the
+owner's table when asked (`gradmesh.parallel.table_state`).
 
 A step: at the first table's call, one exchange serves every table (`gradmesh.comm.exchange`:
 every rank's lookups are known from every rank's share, which the engine shows before each
@@ -28,14 +30,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradmesh.comm import hooks
 from gradmesh.comm.exchange import Fetch, Link, Routed, Router, RowGradients, all_reduce_sum
-from gradmesh.comm.reducer import CommCounter
 from gradmesh.errors import UsageError
 from gradmesh.mesh import DP_AXIS
 from gradmesh.parallel.data import apply_ddp
 from gradmesh.parallel.options import ApplyOptions
 from gradmesh.parallel.ps import sparse_tables
 from gradmesh.parallel.sparse import SparseModel
+from gradmesh.parallel.state import install_optimizer_state, named_optimizer_state
+from gradmesh.parallel.table_layout import layout_for
 from gradmesh.parallel.table_rows import TableRows
+from gradmesh.parallel.table_state import TableWiseState
 from gradmesh.topology import Topology
 
 ATTRIBUTE = "_gradmesh_tables"
@@ -45,35 +49,35 @@ ATTRIBUTE = "_gradmesh_tables"
 class ShardedTables:
     """This rank's row ranges of a model's sparse tables, the exchange, the pending gradients."""
 
-    def __init__(self, model: nn.Module, topology: Topology, counter: CommCounter | None = None):
+    def __init__(self, model: nn.Module, topology: Topology, options: ApplyOptions):
         self.tables = [table for _, table in sparse_tables(model)]
-        self.group, self.ranks = topology.group(DP_AXIS), topology.dp_size
-        chunks = [-(-table.num_embeddings // self.ranks) for table in self.tables]
-        self.chunks = torch.tensor(chunks, device=topology.device)
-        self.rows = torch.tensor([table.num_embeddings for table in self.tables], device=topology.device)
-        self.span = max(chunks)
+        self.group, self.ranks, self.me = topology.group(DP_AXIS), topology.dp_size, topology.dp_rank
+        rows = [table.num_embeddings for table in self.tables]
+        self.layout = layout_for(options.table_sharding, rows, self.ranks, self.me)
+        self.rows = torch.tensor(rows, device=topology.device)
         self.pending = RowGradients(self.tables[0].embedding_dim)
-        self.link = Link(self.group, topology.dp_rank, counter)
-        self.router = Router(self.chunks, self.span, self.ranks, self.link)
+        self.link = Link(self.group, self.me, options.counter)
+        self.router = Router(self.layout.placement(topology.device), self.ranks, self.link)
         self.anchor = torch.zeros((), requires_grad=True)
         self.args: tuple = ()
         self.outputs: list[torch.Tensor] = []
         self.carried: torch.Tensor | None = None
         self.shares: list | None = None
-        self.me = topology.dp_rank
-        ranges = [
-            (min(self.me * c, t.num_embeddings), min((self.me + 1) * c, t.num_embeddings))
-            for c, t in zip(chunks, self.tables)
-        ]
         assert topology.mesh is not None  # a started topology has its mesh
-        self.storage = TableRows(self.tables, ranges, self.span, topology.mesh[DP_AXIS], topology.device)
-        for index, (table, (low, high)) in enumerate(zip(self.tables, ranges)):
+        mesh = topology.mesh[DP_AXIS]
+        self.storage = TableRows(self.tables, self.layout, mesh, topology.device)
+        for index, (table, (low, high)) in enumerate(zip(self.tables, self.layout.ranges)):
             if table.weight.is_meta:
                 self.storage.place(index, cast(SparseModel, model).init_rows(index, low, high))
             else:
                 self.storage.place(index, table.weight.detach()[low:high])
             # Sharding as data: the module's forward reads the exchange's answer for its index.
             table.forward = functools.partial(self._output, index)  # type: ignore[method-assign]
+        self.table_wise: TableWiseState | None = None
+        if not self.storage.sharded:  # checkpoints and the export see row-wise DTensors
+            names = [f"{name}.weight" for name, _ in sparse_tables(model)]
+            self.table_wise = TableWiseState(self.tables, names, self.storage, self.layout, self.group, mesh)
+            self.table_wise.install()
         model.register_forward_pre_hook(self._before_forward)
         setattr(model, ATTRIBUTE, self)
 
@@ -104,7 +108,7 @@ class ShardedTables:
         self.outputs = list(rows.view(len(self.tables), ids.shape[1], -1).unbind(0))
 
     def _ids(self, args: tuple, check: bool = True) -> torch.Tensor:
-        ids = torch.stack([ids.reshape(-1) for ids in self.model.lookups(*args)]).to(self.chunks.device)
+        ids = torch.stack([ids.reshape(-1) for ids in self.model.lookups(*args)]).to(self.rows.device)
         if check:
             self._check_ids(ids)
         return ids
@@ -146,7 +150,7 @@ class ShardedTables:
         return self.pending.summed(1.0 / self.ranks)
 
     def _local_norm_sq(self) -> torch.Tensor:
-        return self.summed()[1].double().pow(2).sum().to(self.chunks.device)
+        return self.summed()[1].double().pow(2).sum().to(self.rows.device)
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Collective unless DDP's last bucket carried it: the squared norm of the tables'
@@ -184,7 +188,7 @@ def holders(model: nn.Module) -> list[ShardedTables]:
 def apply_tables(model: nn.Module, topology: Topology, options: ApplyOptions) -> nn.Module:
     """The tables row-sharded over the data axis, the rest wrapped in DDP (which leaves the tables
     alone: their rows travel by the exchange)."""
-    tables = ShardedTables(model, topology, options.counter)
+    tables = ShardedTables(model, topology, options)
     names = [f"{name}.weight" for name, _ in sparse_tables(model)]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     wrapped = apply_ddp(model, topology, options)
@@ -193,6 +197,22 @@ def apply_tables(model: nn.Module, topology: Topology, options: ApplyOptions) ->
     if state is not None and options.compression == "none":  # a compressed bucket would not keep the norm
         state.rider = tables
     return wrapped
+
+
+def tables_optimizer_state(model: nn.Module, optimizer, for_load: bool = False) -> dict:
+    """The optimizer state by parameter name, table-wise accumulators made row-wise (`TableWiseState`)."""
+    state = named_optimizer_state(model, optimizer, for_load)
+    for tables in holders(model):
+        if tables.table_wise is not None:
+            tables.table_wise.saved_sums(state["state"])
+    return state
+
+
+def install_tables_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
+    for tables in holders(model):
+        if tables.table_wise is not None:
+            tables.table_wise.loaded_sums(state["state"])
+    install_optimizer_state(model, optimizer, state)
 
 
 def show_every_share(model: nn.Module, everyone: list, me: int) -> None:

@@ -51,6 +51,8 @@ class Options:
     table_params: int = 0
     """Parameters in sparse tables (recsys): rows move as touched, not whole."""
     table_rows: int = 0
+    whole_tables: tuple[int, ...] = ()
+    """Parameters of each sparse table under --table-sharding table (`ModelSize.whole_tables`)."""
     rows_per_sample: float = 0.0
     """Table rows one sample touches (one per categorical feature)."""
     row_bytes: float = 0.0

@@ -108,6 +108,7 @@ def _model_size(cfg: configuration.Config, profile: ComputeProfile, options: cos
         slots=optimizer_slots(optimizer_class, kwargs),
         tp_params=options.tp_params,
         table_params=options.table_params,
+        whole_tables=options.whole_tables,
     )
 
 

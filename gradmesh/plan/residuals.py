@@ -117,6 +117,7 @@ def options_for(cfg: configuration.Config, machine: Machine) -> costs.Options:
     from torch.nn.modules.batchnorm import _BatchNorm
 
     from gradmesh import workloads
+    from gradmesh.parallel.placement import whole_tables
     from gradmesh.parallel.ps import sparse_tables
     from gradmesh.parallel.sharded import fsdp_units
     from gradmesh.parallel.tp_plans import tp_parameter_count
@@ -132,6 +133,7 @@ def options_for(cfg: configuration.Config, machine: Machine) -> costs.Options:
         tp_params=tp_parameter_count(model),
         table_params=sum(t.weight.numel() for t in tables),
         table_rows=sum(t.weight.shape[0] for t in tables),
+        whole_tables=whole_tables(cfg, tables),
         rows_per_sample=len(tables),
         row_bytes=costs.FP32 * (tables[0].weight.shape[1] if tables else 0),
         cuda=machine.cuda,
