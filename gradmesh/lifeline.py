@@ -39,15 +39,64 @@ def _raise_stopped(signum, frame):
     raise Stopped(signum)
 
 
+_armed = 0
+"""How many `stop_on_signals` blocks are open (`rearm_stop_signals` acts only inside one)."""
+
+
 @contextlib.contextmanager
 def stop_on_signals():
     """SIGINT and SIGTERM raise `Stopped` inside the block (main thread only)."""
+    global _armed
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
+    _armed += 1
     try:
         yield
     finally:
+        _armed -= 1
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def rearm_stop_signals() -> None:
+    """Inside a `stop_on_signals` block: take SIGINT and SIGTERM back from a library that put its
+    own handlers in their place (Ray's driver does at `ray.init`: it dies on SIGTERM with a stack
+    dump, leaving gradmesh no say in how the job stops). Outside one: nothing."""
+    if _armed:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _raise_stopped)
+
+
+class DeferredStop:
+    """A SIGINT or SIGTERM kept for later (`deferred_stop`)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def record(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+
+    def check(self) -> None:
+        """Raise `Stopped` for a signal that came."""
+        if self.signum is not None:
+            raise Stopped(self.signum)
+
+
+@contextlib.contextmanager
+def deferred_stop():
+    """Inside a `stop_on_signals` block: SIGINT and SIGTERM are recorded, not raised, while the
+    main thread waits in a library's C code (Ray's `wait` runs Python's signal check and turns
+    what a handler raises into a SystemError); the caller polls `check()`. Outside one: nothing."""
+    deferred = DeferredStop()
+    if not _armed:
+        yield deferred
+        return
+    previous = {sig: signal.signal(sig, deferred.record) for sig in STOP_SIGNALS}
+    try:
+        yield deferred
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    deferred.check()
 
 
 def ignore_stop_signals() -> None:

@@ -122,6 +122,31 @@ def test_a_killed_actor_restarts_the_group_which_resumes_and_ends_with_the_unint
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_driver_stops_every_worker_in_one_line(cluster, tmp_path, sig):
+    """Ray's driver puts its own SIGTERM handler in place (a stack dump and exit 1) and holds the
+    main thread in its C++ wait: gradmesh takes the signals back and waits in short turns."""
+    run_dir = tmp_path / "run"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "gradmesh", "ray", "--address", cluster, "--num-workers", "2", "--model",
+         "mlp-digits", "--max-steps", "100000", "--run-dir", str(run_dir), "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_workers(run_dir / "config.toml")) < 2 and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert driver.poll() is None and len(_workers(run_dir / "config.toml")) == 2
+        driver.send_signal(sig)
+        _, err = driver.communicate(timeout=60)
+    finally:
+        driver.kill()
+    assert driver.returncode == 128 + sig, err
+    assert f"gradmesh: stopped by {sig.name}; 2 workers stopped, none left running" in err.splitlines(), err
+    assert "Traceback" not in err and "SIGTERM received" not in err, err
+    assert not _workers(run_dir / "config.toml")  # the actors were killed, their workers with them
+
+
+@pytest.mark.slow
 def test_a_worker_stopping_on_its_own_is_not_restarted(cluster, tmp_path):
     """A worker's own end (here: NaN losses under --on-nonfinite stop) is no lost worker: the job
     ends with it, its exit code and rank 0's line, without a restart."""

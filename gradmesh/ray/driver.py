@@ -14,11 +14,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from gradmesh import lifeline
 from gradmesh.errors import EXIT_HANG, EXIT_NONFINITE, UsageError
 from gradmesh.ray.actor import WorkerActor
 
 PLACEMENT_S = 120.0
 """How long a group waits for Ray to place its bundles (a cluster may be scaling up)."""
+WAKE_S = 0.5
+"""The longest the driver waits on Ray at a time, so that a signal to it is acted on in this time."""
 PEER_GRACE_S = 10.0
 """After one rank fails, how long the others have to end by themselves: whether a peer was lost
 first (its survivors then fail on the broken connection) decides between a restart and an error."""
@@ -99,14 +102,18 @@ def _watch(ray: Any, refs: dict) -> list[Outcome]:
     ended within PEER_GRACE_S of it."""
     outcomes: list[Outcome] = []
     pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        outcomes.append(_outcome(ray, done[0], refs[done[0]]))
-        if not outcomes[-1].ok:
-            if pending:
-                late, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_GRACE_S)
-                outcomes += [_outcome(ray, ref, refs[ref]) for ref in late]
-            break
+    with lifeline.deferred_stop() as stop:  # `gradmesh ray` stopped: acted on within WAKE_S
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=WAKE_S)
+            stop.check()
+            if not done:
+                continue
+            outcomes.append(_outcome(ray, done[0], refs[done[0]]))
+            if not outcomes[-1].ok:
+                if pending:
+                    late, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_GRACE_S)
+                    outcomes += [_outcome(ray, ref, refs[ref]) for ref in late]
+                break
     return outcomes
 
 

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from gradmesh import config as configuration
-from gradmesh import rundir
+from gradmesh import lifeline, rundir
 from gradmesh.cli.auto import AUTO
 from gradmesh.errors import UsageError
 from gradmesh.ray import check_reachable, connect, need_ray
@@ -74,6 +74,7 @@ def launch(cfg: configuration.Config, shape: Shape, address: str | None, max_fai
         check_reachable(address)
     _checked(cfg, shape)
     started = connect(ray, address)
+    lifeline.rearm_stop_signals()  # `gradmesh ray`'s own way to stop, not Ray's (no-op in the Python API)
     try:
         check_room(ray, shape)
         run_dir = _settle_run_dir(cfg)
