@@ -147,6 +147,38 @@ def test_a_signal_to_the_driver_stops_every_worker_in_one_line(cluster, tmp_path
 
 
 @pytest.mark.slow
+def test_a_job_waiting_for_room_on_a_busy_cluster_stops_on_sigterm_too(cluster, tmp_path):
+    """A second job while the first holds both CPUs: Ray cannot place its group yet, and a
+    signal to it meanwhile stops it in one line (it waits for placement in short turns too)."""
+    def start(name: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gradmesh", "ray", "--address", cluster, "--num-workers", "2", "--model",
+             "mlp-digits", "--max-steps", "100000", "--run-dir", str(tmp_path / name), "--quiet"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = start("first")
+    try:
+        deadline = time.monotonic() + 120
+        while len(_workers(tmp_path / "first" / "config.toml")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = start("second")
+        try:
+            time.sleep(10)  # joined the cluster (~2 s) and waiting for its bundles
+            assert second.poll() is None and not _workers(tmp_path / "second" / "config.toml")
+            second.send_signal(signal.SIGTERM)
+            _, err = second.communicate(timeout=30)
+        finally:
+            second.kill()
+        assert second.returncode == 128 + signal.SIGTERM, err
+        assert "Traceback" not in err and "gradmesh: stopped by SIGTERM" in err, err
+        assert first.poll() is None  # the first job goes on
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=60)
+    assert first.returncode == 128 + signal.SIGTERM
+
+
+@pytest.mark.slow
 def test_a_worker_stopping_on_its_own_is_not_restarted(cluster, tmp_path):
     """A worker's own end (here: NaN losses under --on-nonfinite stop) is no lost worker: the job
     ends with it, its exit code and rank 0's line, without a restart."""

@@ -11,6 +11,7 @@ group gets fresh actors, wherever Ray places them, and a fresh store at a fresh 
 
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,18 @@ def _watch(ray: Any, refs: dict) -> list[Outcome]:
     return outcomes
 
 
+def _placed(group: Any) -> bool:
+    """Whether Ray placed the group's bundles within PLACEMENT_S (a busy cluster: when other jobs
+    free them), waiting in WAKE_S turns, so that a signal meanwhile is acted on."""
+    deadline = time.monotonic() + PLACEMENT_S
+    with lifeline.deferred_stop() as stop:
+        while not group.wait(WAKE_S):
+            stop.check()
+            if time.monotonic() >= deadline:
+                return False
+    return True
+
+
 def _run_group(ray: Any, config_path: str, shape: Shape, settings: dict) -> list[Outcome]:
     """One group of actors, from placement to the end of its workers; its actors and bundles are
     gone when this returns, whatever happened."""
@@ -126,7 +139,7 @@ def _run_group(ray: Any, config_path: str, shape: Shape, settings: dict) -> list
     group = placement_group([shape.bundle()] * shape.workers, strategy="SPREAD")
     actors = []
     try:
-        if not group.wait(PLACEMENT_S):
+        if not _placed(group):
             raise Unplaced(f"Ray placed no group of {shape.workers} x {shape.bundle()} within {PLACEMENT_S:g} s")
         worker = ray.remote(WorkerActor)
         for rank in range(shape.workers):
