@@ -48,13 +48,18 @@ class Layout:
             return torch.tensor(values, device=device).unsqueeze(1)
 
         if self.owners is None:
-            chunks = [-(-rows // self.ranks) for rows in self.rows]
+            chunks = [_chunk(rows, self.ranks) for rows in self.rows]
             return Placement(column([0] * len(self.rows)), column(chunks), column(self.starts), self.size)
         return Placement(column(self.owners), column(self.rows), column(self.starts), self.size)
 
 
+def _chunk(rows: int, ranks: int) -> int:
+    """The rows of a full range under row-wise sharding (torch.chunk's split)."""
+    return -(-rows // ranks)
+
+
 def row_layout(rows: list[int], ranks: int, me: int) -> Layout:
-    chunks = [-(-count // ranks) for count in rows]
+    chunks = [_chunk(count, ranks) for count in rows]
     span = max(chunks)
     ranges = [(min(me * c, count), min((me + 1) * c, count)) for c, count in zip(chunks, rows)]
     starts = [t * span for t in range(len(rows))]
@@ -78,7 +83,7 @@ def layout_for(sharding: str, rows: list[int], ranks: int, me: int) -> Layout:
 
 def _row_counts(rows: int, ranks: int) -> list[int]:
     """Rows of each rank's range under row-wise sharding."""
-    chunk = -(-rows // ranks)
+    chunk = _chunk(rows, ranks)
     return [max(0, min(chunk, rows - r * chunk)) for r in range(ranks)]
 
 

@@ -50,7 +50,8 @@ class ShardedTables:
     """This rank's row ranges of a model's sparse tables, the exchange, the pending gradients."""
 
     def __init__(self, model: nn.Module, topology: Topology, options: ApplyOptions):
-        self.tables = [table for _, table in sparse_tables(model)]
+        named = sparse_tables(model)
+        self.tables = [table for _, table in named]
         self.group, self.ranks, self.me = topology.group(DP_AXIS), topology.dp_size, topology.dp_rank
         rows = [table.num_embeddings for table in self.tables]
         self.layout = layout_for(options.table_sharding, rows, self.ranks, self.me)
@@ -75,7 +76,7 @@ class ShardedTables:
             table.forward = functools.partial(self._output, index)  # type: ignore[method-assign]
         self.table_wise: TableWiseState | None = None
         if not self.storage.sharded:  # checkpoints and the export see row-wise DTensors
-            names = [f"{name}.weight" for name, _ in sparse_tables(model)]
+            names = [f"{name}.weight" for name, _ in named]
             self.table_wise = TableWiseState(self.tables, names, self.storage, self.layout, self.group, mesh)
             self.table_wise.install()
         model.register_forward_pre_hook(self._before_forward)
