@@ -54,8 +54,10 @@ class _Zygote:
             try:
                 code = json.loads(replies.readline())["code"]
             except (TimeoutError, socket.timeout):
+                stacks = _stacks_of_tree(pid)  # before the kill: where a hung run waits is the clue
                 os.kill(pid, signal.SIGKILL)  # its workers follow it (they die with their launcher)
-                raise subprocess.TimeoutExpired(["gradmesh", *argv], timeout) from None
+                raise _TimeoutExpired(["gradmesh", *argv], timeout, output=out.read_text(),
+                                                stderr=err.read_text() + stacks) from None
         result = subprocess.CompletedProcess(["gradmesh", *argv], code, out.read_text(), err.read_text())
         out.unlink(), err.unlink()
         return result
@@ -64,6 +66,39 @@ class _Zygote:
         self.server.kill()
         self.server.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _tree(pid: int) -> list[int]:
+    """pid and every process below it (read from /proc: a launcher's workers and theirs)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo.extend(children.get(found[-1], []))
+    return found
+
+
+def _stacks_of_tree(pid: int) -> str:
+    """Every thread's Python stack in a hung run's processes, by py-spy (the test extra has it)."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        return "\n(py-spy not installed: no stacks of the hung processes)"
+    dumps = []
+    for each in _tree(pid):
+        done = subprocess.run([spy, "dump", "--pid", str(each)], capture_output=True, text=True, timeout=60)
+        dumps.append(f"\n--- process {each}: py-spy dump ---\n{done.stdout}{done.stderr}")
+    return "".join(dumps)
+
+
+class _TimeoutExpired(subprocess.TimeoutExpired):
+    def __str__(self) -> str:  # pytest shows this: the run's own output and the hung stacks with it
+        return f"{super().__str__()}\n--- stdout ---\n{self.output}\n--- stderr ---\n{self.stderr}"
 
 
 _zygote: _Zygote | None = None
