@@ -85,13 +85,15 @@ def _tree(pid: int) -> list[int]:
 
 
 def _stacks_of_tree(pid: int) -> str:
-    """Every thread's Python stack in a hung run's processes, by py-spy (the test extra has it)."""
+    """Every thread's stack (Python and native) in a hung run's processes, by py-spy (the test extra has it)."""
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if spy is None:
         return "\n(py-spy not installed: no stacks of the hung processes)"
     dumps = []
     for each in _tree(pid):
-        done = subprocess.run([spy, "dump", "--pid", str(each)], capture_output=True, text=True, timeout=60)
+        done = subprocess.run([spy, "dump", "--native", "--pid", str(each)], capture_output=True, text=True, timeout=60)
+        if done.returncode:  # native frames are a bonus: the Python ones without them
+            done = subprocess.run([spy, "dump", "--pid", str(each)], capture_output=True, text=True, timeout=60)
         dumps.append(f"\n--- process {each}: py-spy dump ---\n{done.stdout}{done.stderr}")
     return "".join(dumps)
 
