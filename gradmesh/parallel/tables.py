@@ -10,10 +10,12 @@ under its parameter name and DCP reshards it to and from every other strategy; t
 and `full_state` gather it. Table-wise the state dict shows the same DTensor, made from the
 owner's table when asked (`gradmesh.parallel.table_state`).
 
-A step: at the first table's call, one exchange serves every table (`gradmesh.comm.exchange`:
-every rank's lookups are known from every rank's share, which the engine shows before each
-micro-batch (`show_every_share`), so only the rows travel), and each table module returns its
-part of it; backward sends the rows' gradients to their owners. At the optimizer step an owner
+A step: one exchange serves every table (`gradmesh.comm.exchange`: every rank's lookups are
+known from every rank's share, which the engine shows before each micro-batch
+(`show_every_share`), so only the rows travel). The rows set off as the model's forward begins
+and travel while the layers before the first table run; at the first table's call they are
+taken in, and each table module returns its part of them. Backward sends the rows' gradients to
+their owners without waiting for them (the layers below go on). At the optimizer step an owner
 sums them per distinct row and applies row-wise Adagrad to those rows alone
 (`gradmesh.parallel.table_rows`) — what one process does with the dense table gradient, where
 an untouched row neither moves nor adds to its accumulator — so a step costs the rows its batch
@@ -29,7 +31,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradmesh.comm import hooks
-from gradmesh.comm.exchange import Fetch, Link, Routed, Router, RowGradients, all_reduce_sum
+from gradmesh.comm.exchange import Fetch, InFlight, Link, Routed, Router, RowGradients, all_reduce_sum, answer
 from gradmesh.errors import UsageError
 from gradmesh.mesh import DP_AXIS
 from gradmesh.parallel.data import apply_ddp
@@ -64,6 +66,7 @@ class ShardedTables:
         self.outputs: list[torch.Tensor] = []
         self.carried: torch.Tensor | None = None
         self.shares: list | None = None
+        self.arriving: tuple[int, Routed, InFlight] | None = None
         assert topology.mesh is not None  # a started topology has its mesh
         mesh = topology.mesh[DP_AXIS]
         self.storage = TableRows(self.tables, self.layout, mesh, topology.device)
@@ -90,12 +93,12 @@ class ShardedTables:
 
     def _before_forward(self, model: nn.Module, args: tuple) -> None:
         self.model, self.args, self.outputs = cast(SparseModel, model), args, []
+        # Training shows every share first (`show_every_share`): the route needs no collective,
+        # so the rows set off now and travel while the layers before the first table run.
+        self.arriving = self._send() if self.shares is not None else None
 
-    def _exchange(self) -> None:
-        """On the first table's call, not before the forward: the exchange's node in the autograd
-        graph then comes after the layers the model ran first (the bottom MLP), so backward
-        reaches it — and the rows' gradients their owners — before the dense gradients are
-        complete, and the tables' squared norm can travel with DDP's last bucket (`ask`)."""
+    def _send(self) -> tuple[int, Routed, InFlight]:
+        """(samples, route, the owners' answer under way) of this forward's lookups."""
         ids = self._ids(self.args)
         routed = self._known_route(ids) if self.shares is not None else None
         self.shares = None
@@ -103,10 +106,19 @@ class ShardedTables:
             routed = self.router.route(ids)
         with torch.no_grad():
             served = self.storage.serve(routed.keys)
+        return ids.shape[1], routed, answer(served, routed, self.link)
+
+    def _exchange(self) -> None:
+        """On the first table's call, not before the forward: the exchange's node in the autograd
+        graph then comes after the layers the model ran first (the bottom MLP), so backward
+        reaches it — and the rows' gradients their owners — before the dense gradients are
+        complete, and the tables' squared norm can travel with DDP's last bucket (`ask`)."""
+        samples, routed, arriving = self.arriving or self._send()
+        self.arriving = None
         if torch.is_grad_enabled():  # a backward will bring this exchange's gradients
             self.pending.expect()
-        rows = Fetch.apply(self.anchor, served, routed, self.link, self.pending)
-        self.outputs = list(rows.view(len(self.tables), ids.shape[1], -1).unbind(0))
+        rows = Fetch.apply(self.anchor, arriving.wait(), routed, self.link, self.pending)
+        self.outputs = list(rows.view(len(self.tables), samples, -1).unbind(0))
 
     def _ids(self, args: tuple, check: bool = True) -> torch.Tensor:
         ids = torch.stack([ids.reshape(-1) for ids in self.model.lookups(*args)]).to(self.rows.device)
