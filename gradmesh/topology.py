@@ -76,7 +76,10 @@ def threads_per_worker(local_world_size: int) -> int:
     return env.omp_threads() or max(1, (os.cpu_count() or 1) // local_world_size)
 
 
-def job_store(timeout: timedelta = timedelta(minutes=30)) -> "dist.TCPStore | None":
+STORE_TIMEOUT = timedelta(minutes=30)
+
+
+def job_store(timeout: timedelta = STORE_TIMEOUT) -> "dist.TCPStore | None":
     """A new client of the job's c10d store (MASTER_ADDR:MASTER_PORT); None outside a launched job.
 
     Each user (process group set-up, watchdog thread, membership thread) gets its own client:
@@ -84,7 +87,7 @@ def job_store(timeout: timedelta = timedelta(minutes=30)) -> "dist.TCPStore | No
     where = env.master()
     if where is None:
         return None
-    return dist.TCPStore(where[0], where[1], is_master=False, timeout=timeout)
+    return stores.client(where[0], where[1], timeout)
 
 
 def _attempt_store(generation: int = 0) -> "dist.Store | None":
@@ -110,7 +113,9 @@ def _loopback_job_store() -> "dist.TCPStore":
     all of them use the same keys."""
     where = env.master()
     assert where is not None  # the actor that sets the switch sets MASTER_ADDR/MASTER_PORT with it
-    return stores.LoopbackTCPStore(where[0], where[1], is_master=env.placement().rank == 0, wait_for_workers=False)
+    if env.placement().rank == 0:
+        return stores.LoopbackTCPStore(where[0], where[1], is_master=True, wait_for_workers=False)
+    return stores.client(where[0], where[1], STORE_TIMEOUT, wait_for_workers=False)
 
 
 def _collective_timeout() -> "timedelta | None":

@@ -22,7 +22,7 @@ def rank_main(rank: int, world: int, port: int, parent: int, job: Job, results: 
     env.keep_on_interface(stores.loopback_interface(), override=True)
     torch.set_num_threads(job.threads)
     timeout = timedelta(seconds=job.timeout_s)
-    store = dist.TCPStore(stores.LOOPBACK, port, world, is_master=False, timeout=timeout)
+    store = stores.client(stores.LOOPBACK, port, timeout, world_size=world)
     dist.init_process_group(job.backend, store=store, rank=rank, world_size=world, timeout=timeout)
     points = _measure(job, rank, world)
     dist.destroy_process_group()
