@@ -170,3 +170,30 @@ def test_candidate_flags_are_what_train_takes():
     cfg = c.configured(build([]))
     assert (cfg.train.strategy, cfg.train.compression, cfg.train.grad_accum) == ("ddp", "fp16", 2)
     assert registry.resolve(cfg.train.strategy, {"dp": 2}).label == "ddp"
+
+
+@pytest.mark.parametrize("trial_fails", [True, False])
+def test_a_calibration_with_a_failed_trial_says_so_and_is_not_cached(monkeypatch, tmp_path, capsys, trial_fails):
+    """A cached calibration whose ddp, ps and hybrid trials had failed left those overheads out
+    for good: recsys plans then put hybrid 2x ahead of tables, which measured 2x behind it."""
+    import os
+    import sys
+
+    from gradmesh.plan import overhead, planner
+
+    def measure(cfg, machine, sizes, groups):
+        if trial_fails:  # a real run that fails, through the trials' own runner
+            broke = [sys.executable, "-c", "import sys; sys.exit('the trial broke')"]
+            assert overhead._run(broke, dict(os.environ), "--strategy ddp on 2 worker(s)") is None
+        return Calibration({}, {}, {"loop": 0.001})
+
+    monkeypatch.setattr(planner, "_measure", measure)
+    monkeypatch.setattr(planner, "calibration_place", lambda cfg, machine: ((1,), [2], tmp_path / "cal.json"))
+    found, path, from_cache = planner.calibrate(None, None)
+    assert found.overheads == {"loop": 0.001} and not from_cache
+    err = capsys.readouterr().err
+    if trial_fails:
+        assert not path.exists()
+        assert "a calibration run failed (left out, and nothing cached): --strategy ddp on 2 worker(s): exit 1: the trial broke" in err
+    else:
+        assert json.loads(path.read_text())["overheads"] == {"loop": 0.001} and err == ""

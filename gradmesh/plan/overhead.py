@@ -60,15 +60,24 @@ def trial_step(
             "--set", "train.sample_chars=0", "--set", "train.eval_batches=1",
         ]  # fmt: skip
         env = dict(environment(), OMP_NUM_THREADS=str(threads))
-        runs = [_run([*cmd, "--run-dir", str(Path(tmp) / f"run{i}")], env) for i in range(TRIALS if nproc > 1 else 1)]
+        label = f"--strategy {strategy} on {nproc} worker(s), {grad_accum} micro-batch(es)"
+        trials = range(TRIALS if nproc > 1 else 1)
+        runs = [_run([*cmd, "--run-dir", str(Path(tmp) / f"run{i}")], env, label) for i in trials]
     found = [run for run in runs if run is not None]
     return min(found) if found else None
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> tuple[float, int] | None:
+FAILED_TRIALS: list[str] = []
+"""This process's trial runs that failed, a line each: `planner.calibrate` says so and does not
+cache a calibration that lacks them (a missing overhead would make its plans look faster)."""
+
+
+def _run(cmd: list[str], env: dict[str, str], label: str) -> tuple[float, int] | None:
     """(steady step seconds, peak memory bytes) of one trial run; None where it failed."""
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        FAILED_TRIALS.append(f"{label}: exit {done.returncode}: {last}")
         return None
     run_dir = Path(cmd[-1])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -4,6 +4,7 @@ predict every candidate, rank them.
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 from gradmesh import config as configuration
 from gradmesh.files import atomic_write
 from gradmesh.parallel import registry
-from gradmesh.plan import costs
+from gradmesh.plan import costs, overhead
 from gradmesh.plan.arithmetic import measure_compression
 from gradmesh.plan.calibration import Calibration, cached, calibration_place
 from gradmesh.plan.candidates import COMPRESSIONS, Candidate, candidates
@@ -45,7 +46,12 @@ def calibrate(cfg: configuration.Config, machine: Machine, refresh: bool = False
     found = None if refresh else cached(path)
     if found is not None:
         return found, path, True
+    overhead.FAILED_TRIALS.clear()
     found = _measure(cfg, machine, sizes, groups)
+    if overhead.FAILED_TRIALS:  # its plans would miss those overheads: measured again next time
+        for line in overhead.FAILED_TRIALS:
+            print(f"gradmesh plan: a calibration run failed (left out, and nothing cached): {line}", file=sys.stderr)
+        return found, path, False
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(found.to_json(), indent=1))
     return found, path, False
