@@ -23,8 +23,12 @@ import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
 
-ANSWER_S = 15.0
-"""How long one attempt to join a store waits for the server's answer before it connects again."""
+ANSWER_S = 30.0
+"""How long one attempt to join a store waits for the server's answer before it connects again
+(a join takes milliseconds; where the name service does not answer, torch's lookup of the
+socket's host name can add 5 or 10 s)."""
+JOIN_S = 300.0
+"""The least time a join is given in all, however short the store's `timeout` for its operations."""
 
 
 def loopback_listener(port: int = 0) -> socket.socket:
@@ -53,15 +57,17 @@ class LoopbackTCPStore(dist.TCPStore):
 
 
 def client(host: str, port: int, timeout: timedelta, **kwargs) -> dist.TCPStore:
-    """A client of the store at host:port, `timeout` its operations' bound and the whole join's.
+    """A client of the store at host:port, `timeout` its operations' bound; the join itself gets
+    that or `JOIN_S`, whichever is longer.
 
     torch's client constructor sends a ping and waits for the server's answer with no time limit
     of its own (its `timeout` bounds the connect, not that wait): an answer that never comes
     hangs the process for good. That happened here about once in 2,600 worker joins on a loaded
     2-core machine (a 4-rank job stuck before its first step, its other ranks waiting for it). So
     each attempt runs in a thread of its own and gets `ANSWER_S`; one that has not answered by
-    then is left behind and a new connection is made, until `timeout` is spent."""
-    deadline = time.monotonic() + timeout.total_seconds()
+    then is left behind and a new connection is made, until the join's time is spent."""
+    budget = max(timeout.total_seconds(), JOIN_S)
+    deadline = time.monotonic() + budget
     while True:
         outcome = _join(host, port, timeout, kwargs, max(0.1, min(ANSWER_S, deadline - time.monotonic())))
         if "error" in outcome:
@@ -69,7 +75,7 @@ def client(host: str, port: int, timeout: timedelta, **kwargs) -> dist.TCPStore:
         if "store" in outcome:
             return outcome["store"]
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"the job's store at {host}:{port} did not answer within {timeout}")
+            raise TimeoutError(f"the job's store at {host}:{port} did not answer within {budget:.0f} s")
         print(
             f"gradmesh: the job's store at {host}:{port} did not answer in {ANSWER_S:.0f} s; joining it again",
             file=sys.stderr,
