@@ -76,10 +76,7 @@ def threads_per_worker(local_world_size: int) -> int:
     return env.omp_threads() or max(1, (os.cpu_count() or 1) // local_world_size)
 
 
-STORE_TIMEOUT = timedelta(minutes=30)
-
-
-def job_store(timeout: timedelta = STORE_TIMEOUT) -> "dist.TCPStore | None":
+def job_store(timeout: timedelta = timedelta(minutes=30)) -> "dist.TCPStore | None":
     """A new client of the job's c10d store (MASTER_ADDR:MASTER_PORT); None outside a launched job.
 
     Each user (process group set-up, watchdog thread, membership thread) gets its own client:
@@ -115,7 +112,9 @@ def _loopback_job_store() -> "dist.TCPStore":
     assert where is not None  # the actor that sets the switch sets MASTER_ADDR/MASTER_PORT with it
     if env.placement().rank == 0:
         return stores.LoopbackTCPStore(where[0], where[1], is_master=True, wait_for_workers=False)
-    return stores.client(where[0], where[1], STORE_TIMEOUT, wait_for_workers=False)
+    joined = job_store()  # the other ranks join it as every worker joins the job's store
+    assert joined is not None
+    return joined
 
 
 def _collective_timeout() -> "timedelta | None":
