@@ -65,15 +65,19 @@ def test_the_fit_predicts_a_size_it_was_not_fitted_to():
     wrong slope) misses 3 MiB by more."""
     held_out = 3 * MIB
     sizes = (64 * KIB, 256 * KIB, 1 * MIB, 2 * MIB, held_out, 4 * MIB, 6 * MIB)
-    profile = measure_link(2, sizes=sizes, repeats=15)
-    assert not multiprocessing.active_children()
-    assert set(profile.fits) == set(KINDS)
-    assert all(f.beta_s_per_byte > 0 and len(f.points) == len(sizes) for f in profile.fits.values())
+    for attempt in range(2):  # a second run where the first missed: a neighbour's burst (once 4 MiB
+        # took twice 3 MiB's time in a CI run) must miss twice to fail it; a wrong model misses every run
+        profile = measure_link(2, sizes=sizes, repeats=15)
+        assert not multiprocessing.active_children()
+        assert set(profile.fits) == set(KINDS)
+        assert all(f.beta_s_per_byte > 0 and len(f.points) == len(sizes) for f in profile.fits.values())
 
-    points = profile.fits["all_reduce"].points
-    measured = dict(points)[held_out]
-    alpha, beta = fit_alpha_beta([(bytes_moved("all_reduce", b, 2), t) for b, t in points if b != held_out])
-    predicted = alpha + bytes_moved("all_reduce", held_out, 2) * beta
+        points = profile.fits["all_reduce"].points
+        measured = dict(points)[held_out]
+        alpha, beta = fit_alpha_beta([(bytes_moved("all_reduce", b, 2), t) for b, t in points if b != held_out])
+        predicted = alpha + bytes_moved("all_reduce", held_out, 2) * beta
+        if predicted == pytest.approx(measured, rel=0.3):
+            break
     assert predicted == pytest.approx(measured, rel=0.3), (points, alpha, beta)
 
 
